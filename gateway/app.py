@@ -1,0 +1,161 @@
+"""The aiohttp application: components wired with typed ``AppKey``s, each started by its ``cleanup_ctx``.
+
+Start order: one shared ClientSession → epoch table and snapshot (first full read before serving) →
+replica poller (first poll before serving) → drain/unload sweeper. Stopped in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.backends import VllmDialect
+from gateway.config import Settings
+from gateway.epoch_table import EpochTable
+from gateway.errors import BodyTooLarge, KvgateError
+from gateway.loader import AdapterLoader
+from gateway.proxy import Proxy
+from gateway.replicas import ReplicaPool
+from gateway.snapshot import Snapshot, SnapshotSync
+
+log = logging.getLogger(__name__)
+
+SETTINGS = web.AppKey("settings", Settings)
+SNAPSHOT = web.AppKey("snapshot", Snapshot)
+TABLE = web.AppKey("table", EpochTable)
+POOL = web.AppKey("pool", ReplicaPool)
+LOADER = web.AppKey("loader", AdapterLoader)
+PROXY = web.AppKey("proxy", Proxy)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-style JSON body with its own status."""
+    try:
+        return await handler(request)
+    except KvgateError as exc:
+        return _error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(BodyTooLarge("request body is over the configured limit"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(_http_error(exc))
+
+
+def _http_error(exc: web.HTTPException) -> KvgateError:
+    error = KvgateError(exc.reason)
+    error.status = exc.status  # aiohttp's own errors (404 route, 405 method) keep their status
+    return error
+
+
+def _error_response(exc: KvgateError) -> web.Response:
+    return web.Response(body=exc.json_bytes(), status=exc.status, content_type="application/json")
+
+
+def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
+    """No total limit (SSE streams run long); bounded connect, and a bound between bytes."""
+    return aiohttp.ClientTimeout(
+        total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
+    )
+
+
+def build_app(settings: Settings, redis: Redis) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app[SETTINGS] = settings
+    app[SNAPSHOT] = Snapshot()
+    app[TABLE] = EpochTable(redis)
+    app.cleanup_ctx.append(_components)
+    app.cleanup_ctx.append(_snapshot_sync)
+    app.cleanup_ctx.append(_replica_poller)
+    app.cleanup_ctx.append(_sweeper)
+
+    async def proxy_handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].handle(request)
+
+    async def models_handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].list_models(request)
+
+    async def health_handler(request: web.Request) -> web.StreamResponse:
+        pool, snapshot = request.app[POOL], request.app[SNAPSHOT]
+        body = {
+            "replicas_healthy": len(pool.healthy()),
+            "replicas": len(pool.replicas),
+            "snapshot_flushed": snapshot.flushed,
+            "logical_ids": len(snapshot.current_names()),
+        }
+        return web.json_response(body, status=200 if pool.healthy() else 503)
+
+    app.router.add_post("/v1/completions", proxy_handler)
+    app.router.add_post("/v1/chat/completions", proxy_handler)
+    app.router.add_get("/v1/models", models_handler)
+    app.router.add_get("/healthz", health_handler)
+    return app
+
+
+async def _components(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=session_timeout(settings)) as session:
+        dialect = VllmDialect()
+        with_root = settings.base_model_root is not None
+        app[POOL] = ReplicaPool(settings.replicas, dialect, session, base_with_root=with_root)
+        app[LOADER] = AdapterLoader(
+            app[POOL],
+            app[TABLE],
+            app[SNAPSHOT],
+            store_root=settings.store,
+            budget=settings.max_adapters_per_replica,
+            drain_grace=settings.drain_grace,
+            load_timeout=settings.load_timeout,
+            lock_ttl=settings.lock_ttl,
+            base_with_root=with_root,
+        )
+        app[PROXY] = Proxy(
+            app[SNAPSHOT],
+            app[POOL],
+            app[LOADER],
+            dialect,
+            base_model=settings.base_model,
+            base_identity=settings.base_identity,
+            base_with_root=with_root,
+            max_body_bytes=settings.max_body_bytes,
+        )
+        yield
+
+
+async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
+    sync = SnapshotSync(app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval)
+    await sync.reconcile()
+    async with _background(sync.run()):
+        yield
+
+
+async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
+    await app[POOL].refresh_all()
+    async with _background(app[POOL].poll_forever(app[SETTINGS].poll_interval, app[TABLE])):
+        yield
+
+
+async def _sweeper(app: web.Application) -> AsyncIterator[None]:
+    async with _background(app[LOADER].sweep_forever(app[SETTINGS].poll_interval)):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _background(work: Awaitable[None]) -> AsyncIterator[None]:
+    task = asyncio.ensure_future(work)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,60 @@
+"""vLLM (0.32, unmodified): the runtime LoRA API and ``cache_salt``.
+
+Loads always use a new versioned name and the content-addressed root, never ``load_inplace``:
+vLLM keys prefix-cache blocks by (lora name, lora path), not by bytes, so an in-place reload from the
+same path would keep matching blocks computed with the old weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from gateway.backends.base import AdapterListing, LoadFailed
+
+_ALREADY_LOADED = "has already been loaded"
+
+
+class VllmDialect:
+    name = "vllm"
+
+    async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
+        async with session.get(f"{url}/v1/models") as response:
+            response.raise_for_status()
+            listing = await response.json()
+        base_name = base_root = None
+        adapters: dict[str, str] = {}
+        for model in listing.get("data", []):
+            if model.get("parent"):
+                adapters[str(model["id"])] = str(model.get("root") or "")
+            elif base_name is None:
+                base_name, base_root = str(model["id"]), str(model.get("root") or "")
+        return AdapterListing(base_name, base_root, adapters)
+
+    async def load(self, session: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
+        body = {"lora_name": name, "lora_path": path, "load_inplace": False}
+        async with session.post(f"{url}/v1/load_lora_adapter", json=body) as response:
+            if response.status == 200:
+                return
+            reason = await _reason(response)
+            if response.status == 400 and _ALREADY_LOADED in reason:
+                return  # another kvgate won the race; eligibility still checks the listed root
+            raise LoadFailed(reason, response.status)
+
+    async def unload(self, session: aiohttp.ClientSession, url: str, name: str) -> None:
+        async with session.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}) as response:
+            if response.status not in (200, 404):
+                raise LoadFailed(await _reason(response), response.status)
+
+    def set_cache_namespace(self, body: dict[str, Any], salt: str) -> None:
+        body["cache_salt"] = salt
+
+
+async def _reason(response: aiohttp.ClientResponse) -> str:
+    text = await response.text()
+    try:
+        error = (await response.json(content_type=None)).get("error", {})
+        return str(error.get("message") or text)
+    except (ValueError, AttributeError):
+        return text.strip() or f"HTTP {response.status}"

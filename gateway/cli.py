@@ -1,0 +1,208 @@
+"""``kvgate``: serve, publish, rollback, bump, status, demo.
+
+Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
+Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.app import build_app
+from gateway.config import Settings, load_settings
+from gateway.epoch_table import EpochTable
+from gateway.errors import KvgateError
+from gateway.identity import check_logical_id, versioned_name
+from gateway.redis_server import EmbeddedRedis
+from gateway.store import AdapterStore
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (env: KVGATE_CONFIG)")
+    parser.add_argument("--store", type=Path, help="content-addressed adapter store directory")
+    parser.add_argument("--data-dir", type=Path, help="holds the embedded Redis (data and socket)")
+    parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
+    parser.add_argument("--base-model", help="served name of the pool's base model")
+    parser.add_argument("--base-model-root", help="root path every replica's base must report")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    _common(serve)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
+
+    publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
+    _common(publish)
+    publish.add_argument("logical_id")
+    publish.add_argument("adapter_dir", type=Path)
+
+    rollback = commands.add_parser("rollback", help="point a logical ID back at an earlier version")
+    _common(rollback)
+    rollback.add_argument("logical_id")
+    rollback.add_argument("digest", nargs="?", default="", help="digest or unique prefix; default: previous")
+
+    bump = commands.add_parser("bump", help="new epoch (new cache namespace) for a logical ID")
+    _common(bump)
+    bump.add_argument("logical_id")
+
+    status = commands.add_parser("status", help="every logical ID: digest, epoch, replicas that loaded it")
+    _common(status)
+
+    demo = commands.add_parser("demo", help="the fault and the cure, side by side, on real vLLM replicas")
+    _common(demo)
+    demo.add_argument("--vllm-python", type=Path, required=True, help="python of the vLLM CPU virtualenv")
+    demo.add_argument("--fixture-dir", type=Path, required=True, help="tiny model and adapters")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas")
+    overrides = {name: getattr(args, name, None) for name in names}
+    env_config = os.environ.get("KVGATE_CONFIG")
+    return load_settings(overrides, args.config or (Path(env_config) if env_config else None))
+
+
+@contextlib.asynccontextmanager
+async def open_table(settings: Settings) -> AsyncIterator[EpochTable]:
+    """The configured Redis, or the embedded one under ``--data-dir`` (adopted if already running)."""
+    with contextlib.ExitStack() as stack:
+        url = settings.redis_url
+        if url is None:
+            url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
+        redis = Redis.from_url(url, health_check_interval=10, socket_keepalive=True)
+        try:
+            yield EpochTable(redis)
+        finally:
+            await redis.aclose()
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
+    print(json.dumps(doc, indent=2) if args.json else line)
+
+
+async def cmd_publish(args: argparse.Namespace, settings: Settings) -> None:
+    logical_id = check_logical_id(args.logical_id)
+    artifact = AdapterStore(settings.store).ingest(args.adapter_dir)
+    name = versioned_name(logical_id, artifact.digest)
+    async with open_table(settings) as table:
+        change = await table.publish(
+            logical_id, artifact.digest, name, str(artifact.path), settings.base_identity
+        )
+    verb = "published" if change.changed else "unchanged (already current)"
+    doc = {"logical_id": logical_id, "digest": artifact.digest, "name": name, "path": str(artifact.path),
+           "epoch": change.epoch, "changed": change.changed, "base": settings.base_identity}  # fmt: skip
+    _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch} ({artifact.path})")
+
+
+async def cmd_rollback(args: argparse.Namespace, settings: Settings) -> None:
+    logical_id = check_logical_id(args.logical_id)
+    async with open_table(settings) as table:
+        change = await table.rollback(logical_id, args.digest)
+    name = versioned_name(logical_id, change.digest)
+    verb = "rolled back" if change.changed else "unchanged (already current)"
+    doc = {"logical_id": logical_id, "digest": change.digest, "name": name, "epoch": change.epoch,
+           "changed": change.changed}  # fmt: skip
+    _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch}")
+
+
+async def cmd_bump(args: argparse.Namespace, settings: Settings) -> None:
+    logical_id = check_logical_id(args.logical_id)
+    async with open_table(settings) as table:
+        change = await table.bump(logical_id)
+    _emit(
+        args, {"logical_id": logical_id, "epoch": change.epoch}, f"bumped: {logical_id} epoch {change.epoch}"
+    )
+
+
+async def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
+    async with open_table(settings) as table:
+        view = await table.read_all()
+        loaded = await table.read_loaded()
+    rows: list[dict[str, Any]] = []
+    for state in view.states.values():
+        replicas = sorted(url for url, names in loaded.items() if names.get(state.name) == state.path)
+        rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
+                     "epoch": state.epoch, "base": state.base, "path": state.path,
+                     "loaded_on": replicas})  # fmt: skip
+    if args.json:
+        print(json.dumps({"generation": view.generation, "logical_ids": rows}, indent=2))
+        return
+    print(f"generation {view.generation}")
+    print(f"{'LOGICAL ID':<20} {'EPOCH':>5}  {'DIGEST':<18} LOADED ON")
+    for row in rows:
+        loaded_on = ", ".join(row["loaded_on"]) or "-"
+        print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<18} {loaded_on}")
+
+
+async def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
+    if not settings.replicas:
+        raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
+    async with open_table(settings) as table:
+        app = build_app(settings, table.redis)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        logging.getLogger("gateway").info("kvgate listening on http://%s:%s", settings.host, settings.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+
+async def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
+    from gateway.demo import run_demo
+
+    await run_demo(settings, vllm_python=args.vllm_python, fixture_dir=args.fixture_dir)
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "publish": cmd_publish,
+    "rollback": cmd_rollback,
+    "bump": cmd_bump,
+    "status": cmd_status,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from(args)
+        asyncio.run(COMMANDS[args.command](args, settings))
+    except KvgateError as exc:
+        print(f"kvgate {args.command}: {exc.message}", file=sys.stderr)
+        return 2 if exc.status < 500 else 1
+    except (OSError, ValueError) as exc:
+        print(f"kvgate {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The shared epoch table in Redis: one thin typed wrapper over the Lua scripts in ``lua/``.
+
+Every mutation is one script (atomic, one Cluster slot, publishes a hint). Scripts return status
+codes; ``_raise_for`` is the one place that maps them to exceptions. ``now`` is passed in (ms) so
+tests control time.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from gateway import keys
+from gateway.errors import EpochTableError, ModelNotFound, VersionNotFound
+
+Clock = Callable[[], int]
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def lua_dir() -> Traversable:
+    """``lua/`` beside the package in a source tree; ``gateway/lua`` inside an installed wheel."""
+    source_tree = Path(__file__).resolve().parent.parent / "lua"
+    if source_tree.is_dir():
+        return source_tree
+    return resources.files("gateway.lua")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionState:
+    """What a logical ID points at right now."""
+
+    logical_id: str
+    digest: str
+    name: str  # versioned name, e.g. tenant-42@0123456789abcdef
+    path: str  # content-addressed store path: the only root a replica may load it from
+    base: str  # base model identity the version was published for
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class TableView:
+    generation: str
+    states: dict[str, VersionState]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    changed: bool
+    epoch: int
+    digest: str = ""
+
+
+class EpochTable:
+    def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms) -> None:
+        self.redis = redis
+        self.clock = clock
+        self.scripts: dict[str, AsyncScript] = {
+            entry.name.removesuffix(".lua"): redis.register_script(entry.read_text())
+            for entry in lua_dir().iterdir()
+            if entry.name.endswith(".lua")
+        }
+
+    async def _run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
+        return await self.scripts[script](keys=list(keys_), args=list(args))
+
+    # --- mutations -------------------------------------------------------------------------------
+
+    async def ensure_generation(self) -> str:
+        return _text(await self._run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
+
+    async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
+        await self.ensure_generation()
+        await self.redis.sadd(keys.IDS, logical_id)
+        code, epoch = await self._run(
+            "publish_version",
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
+            [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+        )
+        _raise_for(int(code), logical_id, digest)
+        return Change(changed=int(code) == 1, epoch=int(epoch), digest=digest)
+
+    async def rollback(self, logical_id: str, digest: str = "") -> Change:
+        code, epoch, target = await self._run(
+            "rollback_version",
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
+            [logical_id, digest, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+        )
+        _raise_for(int(code), logical_id, digest)
+        return Change(changed=int(code) == 1, epoch=int(epoch), digest=_text(target))
+
+    async def bump(self, logical_id: str) -> Change:
+        code, epoch = await self._run(
+            "bump_epoch",
+            [keys.state(logical_id), keys.history(logical_id)],
+            [logical_id, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+        )
+        _raise_for(int(code), logical_id, "")
+        return Change(changed=True, epoch=int(epoch))
+
+    async def record_loaded(self, replica: str, loaded: dict[str, str], ttl_ms: int) -> bool:
+        await self.redis.sadd(keys.REPLICAS, replica)
+        doc = json.dumps(loaded, sort_keys=True, separators=(",", ":"))
+        changed = await self._run(
+            "record_loaded", [keys.replica_loaded(replica)], [replica, doc, ttl_ms, keys.HINTS]
+        )
+        return int(changed) == 1
+
+    async def acquire_load_lock(
+        self, logical_id: str, name: str, replica: str, token: str, ttl_ms: int
+    ) -> bool:
+        got = await self._run("acquire_lock", [keys.load_lock(logical_id, name, replica)], [token, ttl_ms])
+        return int(got) == 1
+
+    async def release_load_lock(self, logical_id: str, name: str, replica: str, token: str) -> bool:
+        released = await self._run("release_lock", [keys.load_lock(logical_id, name, replica)], [token])
+        return int(released) == 1
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    async def read_state(self, logical_id: str) -> VersionState | None:
+        raw: dict[bytes, bytes] = await self.redis.hgetall(keys.state(logical_id))  # type: ignore[assignment]
+        return _parse_state(logical_id, raw)
+
+    async def read_all(self) -> TableView:
+        generation = await self.ensure_generation()
+        ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for logical_id in ids:
+                pipe.hgetall(keys.state(logical_id))
+            raws = await pipe.execute()
+        states = {}
+        for logical_id, raw in zip(ids, raws, strict=True):
+            state = _parse_state(logical_id, raw)
+            if state is not None:
+                states[logical_id] = state
+        return TableView(generation, states)
+
+    async def read_history(self, logical_id: str) -> list[dict[str, Any]]:
+        raw = await self.redis.lrange(keys.history(logical_id), 0, -1)
+        return [json.loads(item) for item in raw]
+
+    async def read_loaded(self) -> dict[str, dict[str, str]]:
+        replicas = sorted(_text(r) for r in await self.redis.smembers(keys.REPLICAS))
+        loaded: dict[str, dict[str, str]] = {}
+        for replica in replicas:
+            doc = await self.redis.get(keys.replica_loaded(replica))
+            if doc is not None:
+                loaded[replica] = json.loads(doc)
+        return loaded
+
+
+def _raise_for(code: int, logical_id: str, digest: str) -> None:
+    """The one map from Lua status codes to exceptions."""
+    if code in (0, 1):
+        return
+    if code == -1:
+        raise ModelNotFound(f"logical ID {logical_id!r} has no published version", param="model")
+    if code == -2:
+        wanted = f"version {digest!r}" if digest else "an earlier version"
+        raise VersionNotFound(f"{logical_id!r} has no {wanted}", param="digest")
+    if code == -3:
+        raise VersionNotFound(f"digest prefix {digest!r} of {logical_id!r} is ambiguous", param="digest")
+    raise EpochTableError(f"epoch table script returned unknown code {code}")
+
+
+def _parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | None:
+    if not raw or b"digest" not in raw:
+        return None
+    return VersionState(
+        logical_id=logical_id,
+        digest=raw[b"digest"].decode(),
+        name=raw[b"name"].decode(),
+        path=raw[b"path"].decode(),
+        base=raw[b"base"].decode(),
+        epoch=int(raw[b"epoch"]),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,136 @@
+"""Who an adapter is: validated artifact manifests, blake3 tree digests and versioned names.
+
+A version's identity is the bytes of its artifact, nothing else: the tree digest covers every file's
+relative path, size and contents (sorted, so the order of a directory listing does not matter). The
+effective model a request meets is (base model identity, adapter digest); the base identity is
+recorded with each version and checked against every replica before it is eligible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+from gateway.errors import InvalidAdapter
+
+TREE_DOMAIN = b"kvgate-tree-v1\0"
+SHORT_DIGEST_LEN = 16
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_SUFFIX = ".safetensors"
+MAX_FILES = 256
+
+_LOGICAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    relpath: str
+    size: int
+
+
+def check_logical_id(logical_id: str) -> str:
+    """Logical IDs are plain names: no ``@`` (versioned names use it), no braces (Redis hash tags)."""
+    if not _LOGICAL_ID.match(logical_id):
+        raise InvalidAdapter(
+            f"invalid logical ID {logical_id!r}: use 1-128 of [A-Za-z0-9._-], first a letter or digit",
+            param="model",
+        )
+    return logical_id
+
+
+def check_digest(digest: str) -> str:
+    if not _DIGEST.match(digest):
+        raise InvalidAdapter(f"not a blake3 hex digest: {digest!r}", param="digest")
+    return digest
+
+
+def versioned_name(logical_id: str, digest: str) -> str:
+    """The name a replica loads a version under: ``tenant-42@<first 16 hex of the digest>``."""
+    return f"{logical_id}@{digest[:SHORT_DIGEST_LEN]}"
+
+
+def scan_adapter(root: Path) -> list[ManifestEntry]:
+    """Validate a PEFT adapter directory without writing anything; return its sorted manifest.
+
+    Refuses symlinks (the root included), anything that is not a regular file or directory, names
+    outside a safe alphabet (no traversal), unreadable files, and directories without an
+    ``adapter_config.json`` object and at least one ``*.safetensors`` weight file.
+    """
+    try:
+        root_stat = os.lstat(root)
+    except OSError as exc:
+        raise InvalidAdapter(f"adapter directory {str(root)!r} is missing: {exc.strerror}") from exc
+    if stat.S_ISLNK(root_stat.st_mode) or not stat.S_ISDIR(root_stat.st_mode):
+        raise InvalidAdapter(f"{str(root)!r} is not a plain directory (symlinks are refused)")
+
+    entries: list[ManifestEntry] = []
+    _walk(root, "", entries)
+    entries.sort(key=lambda e: e.relpath)
+    names = {e.relpath for e in entries}
+    if ADAPTER_CONFIG not in names:
+        raise InvalidAdapter(f"{str(root)!r} has no {ADAPTER_CONFIG}")
+    if not any(e.relpath.endswith(WEIGHT_SUFFIX) for e in entries):
+        raise InvalidAdapter(f"{str(root)!r} has no *{WEIGHT_SUFFIX} weights")
+    try:
+        config = json.loads((root / ADAPTER_CONFIG).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise InvalidAdapter(f"{ADAPTER_CONFIG} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidAdapter(f"{ADAPTER_CONFIG} is not a JSON object")
+    return entries
+
+
+def _walk(root: Path, prefix: str, out: list[ManifestEntry]) -> None:
+    try:
+        children = sorted(os.scandir(root / prefix) if prefix else os.scandir(root), key=lambda d: d.name)
+    except OSError as exc:
+        raise InvalidAdapter(f"cannot list {str(root / prefix)!r}: {exc.strerror}") from exc
+    for child in children:
+        relpath = f"{prefix}/{child.name}" if prefix else child.name
+        if not _FILE_NAME.match(child.name) or child.name in {".", ".."}:
+            raise InvalidAdapter(f"refusing file name {relpath!r}")
+        mode = child.stat(follow_symlinks=False).st_mode
+        if stat.S_ISLNK(mode):
+            raise InvalidAdapter(f"refusing symlink {relpath!r}")
+        if stat.S_ISDIR(mode):
+            _walk(root, relpath, out)
+            continue
+        if not stat.S_ISREG(mode):
+            raise InvalidAdapter(f"refusing non-regular file {relpath!r}")
+        if not os.access(child.path, os.R_OK):
+            raise InvalidAdapter(f"cannot read {relpath!r}")
+        out.append(ManifestEntry(relpath, child.stat(follow_symlinks=False).st_size))
+        if len(out) > MAX_FILES:
+            raise InvalidAdapter(f"more than {MAX_FILES} files: not an adapter")
+
+
+def tree_digest(root: Path, manifest: list[ManifestEntry]) -> str:
+    """blake3 over (relative path, size, blake3 of contents) for every file, in sorted order.
+
+    File contents are hashed with mmap and blake3's own threads, so large weights stay cheap.
+    The recorded size must still match: a file that changed under us fails instead of lying.
+    """
+    tree = blake3(TREE_DOMAIN)
+    for entry in manifest:
+        path = root / entry.relpath
+        content = blake3(max_threads=blake3.AUTO)
+        try:
+            if entry.size:
+                content.update_mmap(str(path))
+            size_now = os.stat(path, follow_symlinks=False).st_size
+        except OSError as exc:
+            raise InvalidAdapter(f"cannot read {entry.relpath!r}: {exc}") from exc
+        if size_now != entry.size:
+            raise InvalidAdapter(f"{entry.relpath!r} changed while it was being read")
+        name = entry.relpath.encode()
+        tree.update(len(name).to_bytes(4, "big") + name + entry.size.to_bytes(8, "big"))
+        tree.update(content.digest())
+    return tree.hexdigest()

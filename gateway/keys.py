@@ -1,0 +1,45 @@
+"""Every Redis key and channel kvgate uses, in one place.
+
+Per logical ID, all keys share the hash tag ``{ID}`` so each Lua script touches one Redis Cluster slot:
+
+    kvg:{ID}:state       hash: digest, name, path, base, epoch, updated_ms   (the current version)
+    kvg:{ID}:versions    hash: digest -> JSON {name, path, base, published_ms} (every version published)
+    kvg:{ID}:history     list: JSON {epoch, digest, action, at_ms}, newest first
+    kvg:{ID}:lock:NAME@REPLICA   single-flight load lock (a string owner token with a TTL)
+
+Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL).
+Indexes, each in its own slot, kept with plain SADD before the scripts that need them run:
+``kvg:ids`` (logical IDs) and ``kvg:replicas`` (replica URLs). An indexed ID with no state is ignored.
+``kvg:generation`` changes when Redis comes back empty. Hints go to the pub/sub channel ``kvg:hints``:
+the message is a logical ID, or ``replica:URL``.
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvg"
+GENERATION = f"{PREFIX}:generation"
+IDS = f"{PREFIX}:ids"
+REPLICAS = f"{PREFIX}:replicas"
+HINTS = f"{PREFIX}:hints"
+REPLICA_HINT_PREFIX = "replica:"
+HISTORY_KEPT = 100
+
+
+def state(logical_id: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:state"
+
+
+def versions(logical_id: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:versions"
+
+
+def history(logical_id: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:history"
+
+
+def load_lock(logical_id: str, name: str, replica: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:lock:{name}@{replica}"
+
+
+def replica_loaded(replica: str) -> str:
+    return f"{PREFIX}:replica:{{{replica}}}:loaded"

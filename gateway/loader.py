@@ -1,0 +1,167 @@
+"""Getting a version onto a replica, and off again.
+
+``ensure_loaded`` is single-flight twice over: within this process (one task per replica and name)
+and across every kvgate (a Redis lock per version and replica). Loads always use the versioned name
+and the content-addressed root, never ``load_inplace``. Before a load, the replica's adapter budget is
+enforced (least recently used, idle adapters go first). ``sweep`` unloads versions that are no longer
+current once they have been retired for the drain grace period and no request here uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from pathlib import Path
+
+import aiohttp
+import redis.exceptions
+
+from gateway.backends import LoadFailed
+from gateway.epoch_table import EpochTable, VersionState
+from gateway.errors import NoEligibleReplica
+from gateway.replicas import Replica, ReplicaPool
+from gateway.routing import pick, same_base
+from gateway.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class AdapterLoader:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        table: EpochTable,
+        snapshot: Snapshot,
+        *,
+        store_root: Path,
+        budget: int,
+        drain_grace: float,
+        load_timeout: float,
+        lock_ttl: float,
+        base_with_root: bool,
+    ) -> None:
+        self.pool = pool
+        self.table = table
+        self.snapshot = snapshot
+        self.store_prefix = f"{store_root.resolve()}/"
+        self.budget = budget
+        self.drain_grace = drain_grace
+        self.load_timeout = load_timeout
+        self.lock_ttl_ms = int(lock_ttl * 1000)
+        self.base_with_root = base_with_root
+        self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    async def ensure_loaded(self, version: VersionState) -> Replica:
+        candidates = same_base(self.pool.replicas, version.base, with_root=self.base_with_root)
+        if not candidates:
+            raise NoEligibleReplica(
+                f"no healthy replica serves base {version.base!r} for {version.logical_id!r}", param="model"
+            )
+        target = pick(candidates)
+        key = (target.url, version.name)
+        task = self._loading.get(key)
+        if task is None:
+            task = asyncio.create_task(self._load(target, version))
+            self._loading[key] = task
+            task.add_done_callback(lambda _: self._loading.pop(key, None))
+        await asyncio.shield(task)
+        return target
+
+    async def _load(self, replica: Replica, version: VersionState) -> None:
+        token = secrets.token_hex(8)
+        deadline = time.monotonic() + self.load_timeout
+        locked = await self._acquire(replica, version, token)
+        while not locked:  # another kvgate is loading it: watch the replica until it lists it
+            await asyncio.sleep(0.2)
+            await self.pool.refresh(replica)
+            if replica.serves(version.name, version.path):
+                return
+            if time.monotonic() > deadline:
+                raise NoEligibleReplica(f"timed out waiting for another kvgate to load {version.name}")
+            locked = await self._acquire(replica, version, token)
+        try:
+            await self.pool.refresh(replica)
+            if replica.serves(version.name, version.path):
+                return
+            await self._make_room(replica)
+            try:
+                async with asyncio.timeout(self.load_timeout):
+                    await self.pool.dialect.load(self.pool.session, replica.url, version.name, version.path)
+            except LoadFailed as exc:
+                raise NoEligibleReplica(
+                    f"loading {version.name} on {replica.url} failed: {exc.reason}"
+                ) from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
+            log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
+            await self.pool.refresh(replica)
+            if not replica.serves(version.name, version.path):
+                listed = replica.listing.adapters.get(version.name)
+                raise NoEligibleReplica(
+                    f"{replica.url} lists {version.name} from {listed!r}, not from {version.path!r}"
+                )
+        finally:
+            if locked:
+                await self._release(replica, version, token)
+
+    async def _acquire(self, replica: Replica, version: VersionState, token: str) -> bool:
+        try:
+            return await self.table.acquire_load_lock(
+                version.logical_id, version.name, replica.url, token, self.lock_ttl_ms
+            )
+        except REDIS_DOWN as exc:
+            log.warning("load lock unavailable (%s); loading with local single-flight only", exc)
+            return True
+
+    async def _release(self, replica: Replica, version: VersionState, token: str) -> None:
+        try:
+            await self.table.release_load_lock(version.logical_id, version.name, replica.url, token)
+        except REDIS_DOWN as exc:
+            log.warning("could not release load lock (it expires by itself): %s", exc)
+
+    def _managed(self, replica: Replica) -> list[str]:
+        """Adapters kvgate loaded: their root is in our content-addressed store."""
+        return [name for name, root in replica.listing.adapters.items() if root.startswith(self.store_prefix)]
+
+    async def _make_room(self, replica: Replica) -> None:
+        managed = self._managed(replica)
+        current = self.snapshot.current_names()
+        idle = [name for name in managed if not replica.in_flight_by_name.get(name)]
+        # Retired versions first, then least recently used.
+        idle.sort(key=lambda name: (name in current, replica.last_used.get(name, 0.0)))
+        while len(managed) >= self.budget and idle:
+            victim = idle.pop(0)
+            await self._unload(replica, victim)
+            managed.remove(victim)
+
+    async def _unload(self, replica: Replica, name: str) -> None:
+        try:
+            await self.pool.dialect.unload(self.pool.session, replica.url, name)
+        except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("unloading %s from %s failed: %s", name, replica.url, exc)
+            return
+        log.info("unloaded %s from %s", name, replica.url)
+        replica.listing.adapters.pop(name, None)
+        replica.last_used.pop(name, None)
+
+    async def sweep(self) -> None:
+        """Unload retired versions after the drain grace, once nothing here uses them."""
+        if self.snapshot.flushed:
+            return  # never judge what is current from a snapshot that may be incomplete
+        current = self.snapshot.current_names()
+        now = time.monotonic()
+        for replica in self.pool.healthy():
+            for name in self._managed(replica):
+                if name in current:
+                    continue
+                retired_at = self.snapshot.retired.setdefault(name, now)
+                if now - retired_at >= self.drain_grace and not replica.in_flight_by_name.get(name):
+                    await self._unload(replica, name)
+
+    async def sweep_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.sweep()

@@ -1,0 +1,100 @@
+"""The replicas kvgate fronts: what each one reports as loaded, its health, and its load right now.
+
+A poller asks every replica's ``/v1/models`` (through its backend dialect) each ``poll_interval``; a
+replica that does not answer is unhealthy until it does. In-flight counts and last use per versioned
+name are local to this kvgate and feed routing, the adapter budget and the drain before unload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import aiohttp
+import redis.exceptions
+
+from gateway.backends import AdapterListing, BackendDialect
+from gateway.config import base_identity
+from gateway.epoch_table import EpochTable
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.healthy = False
+        self.listing = AdapterListing(None, None)
+        self.in_flight = 0
+        self.in_flight_by_name: Counter[str] = Counter()
+        self.last_used: dict[str, float] = {}
+
+    def base_identity(self, with_root: bool) -> str | None:
+        if self.listing.base_name is None:
+            return None
+        return base_identity(self.listing.base_name, self.listing.base_root if with_root else None)
+
+    def serves(self, name: str, root: str) -> bool:
+        """Eligible for a version only when it lists the versioned name with the content-addressed root."""
+        return self.listing.adapters.get(name) == root
+
+    def begin(self, name: str | None) -> None:
+        self.in_flight += 1
+        if name is not None:
+            self.in_flight_by_name[name] += 1
+            self.last_used[name] = time.monotonic()
+
+    def end(self, name: str | None) -> None:
+        self.in_flight -= 1
+        if name is not None:
+            self.in_flight_by_name[name] -= 1
+            if self.in_flight_by_name[name] <= 0:
+                del self.in_flight_by_name[name]
+            self.last_used[name] = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"Replica({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        urls: list[str],
+        dialect: BackendDialect,
+        session: aiohttp.ClientSession,
+        *,
+        base_with_root: bool,
+    ) -> None:
+        self.replicas = [Replica(url) for url in urls]
+        self.dialect = dialect
+        self.session = session
+        self.base_with_root = base_with_root
+
+    def healthy(self) -> list[Replica]:
+        return [replica for replica in self.replicas if replica.healthy]
+
+    async def refresh(self, replica: Replica) -> None:
+        try:
+            replica.listing = await self.dialect.list_adapters(self.session, replica.url)
+            replica.healthy = True
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if replica.healthy:
+                log.warning("replica %s is unhealthy: %r", replica.url, exc)
+            replica.healthy = False
+
+    async def refresh_all(self) -> None:
+        await asyncio.gather(*(self.refresh(replica) for replica in self.replicas))
+
+    async def poll_forever(self, interval: float, table: EpochTable) -> None:
+        """Refresh every replica, then record what each has loaded in the shared table (for status)."""
+        ttl_ms = int(max(interval * 10, 10) * 1000)
+        while True:
+            await self.refresh_all()
+            try:
+                for replica in self.healthy():
+                    await table.record_loaded(replica.url, replica.listing.adapters, ttl_ms)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                log.debug("could not record loaded adapters: %s", exc)
+            await asyncio.sleep(interval)

@@ -1,0 +1,119 @@
+"""Each kvgate's local copy of the epoch table: the hot path reads this, never Redis.
+
+``SnapshotSync`` keeps it fresh two ways: a pub/sub listener re-reads one logical ID per hint, and a
+periodic full reconcile (default 1 s) replaces everything, catching hints that were missed or
+mutations made straight through Redis. When the Redis connection drops, the snapshot is marked
+``flushed``: it keeps serving what it had (a versioned name always means the same bytes, so a lagging
+snapshot serves the previous version coherently, never a mix) and is rebuilt wholesale, not patched,
+as soon as Redis answers again. A new table generation (Redis came back empty) also rebuilds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import redis.exceptions
+
+from gateway import keys
+from gateway.epoch_table import EpochTable, TableView, VersionState
+
+log = logging.getLogger(__name__)
+
+
+class Snapshot:
+    def __init__(self) -> None:
+        self.generation = ""
+        self._states: dict[str, VersionState] = {}
+        self.retired: dict[str, float] = {}
+        """Versioned names that stopped being current, with the monotonic time they did."""
+        self.refreshed_at = 0.0
+        self.flushed = True  # nothing read yet, or the Redis connection dropped since the last read
+
+    def get(self, logical_id: str) -> VersionState | None:
+        return self._states.get(logical_id)
+
+    def __iter__(self) -> Iterator[VersionState]:
+        return iter(list(self._states.values()))
+
+    def current_names(self) -> set[str]:
+        return {state.name for state in self._states.values()}
+
+    def replace(self, view: TableView) -> None:
+        for logical_id in self._states.keys() - view.states.keys():
+            self._retire(self._states[logical_id])
+        for state in view.states.values():
+            self.put(state.logical_id, state)
+        self._states = dict(view.states)
+        self.generation = view.generation
+        self.refreshed_at = time.monotonic()
+        self.flushed = False
+
+    def put(self, logical_id: str, state: VersionState | None) -> None:
+        previous = self._states.get(logical_id)
+        if previous is not None and (state is None or previous.name != state.name):
+            self._retire(previous)
+        if state is None:
+            self._states.pop(logical_id, None)
+        else:
+            self._states[logical_id] = state
+            self.retired.pop(state.name, None)
+
+    def _retire(self, state: VersionState) -> None:
+        self.retired.setdefault(state.name, time.monotonic())
+
+    def staleness(self) -> float:
+        return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")
+
+
+class SnapshotSync:
+    def __init__(self, table: EpochTable, snapshot: Snapshot, *, interval: float) -> None:
+        self.table = table
+        self.snapshot = snapshot
+        self.interval = interval
+
+    async def reconcile(self) -> None:
+        view = await self.table.read_all()
+        self.snapshot.replace(view)
+
+    async def run(self) -> None:
+        """Run until cancelled: the hint listener and the periodic reconcile side by side."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._reconcile_forever())
+            group.create_task(self._listen_forever())
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            try:
+                await self.reconcile()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                if not self.snapshot.flushed:
+                    log.warning("epoch table unreachable, serving the last snapshot: %s", exc)
+                self.snapshot.flushed = True
+            await asyncio.sleep(self.interval)
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                log.warning("hint subscription dropped: %s", exc)
+                self.snapshot.flushed = True
+            await asyncio.sleep(self.interval)
+
+    async def _listen(self) -> None:
+        pubsub = self.table.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.HINTS)
+            await self.reconcile()  # hints sent before the subscription are covered by a full read
+            async for message in pubsub.listen():
+                hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+                if hint.startswith(keys.REPLICA_HINT_PREFIX):
+                    continue
+                self.snapshot.put(hint, await self.table.read_state(hint))
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -1,0 +1,17 @@
+--[[
+record_loaded: record what one replica reports as loaded (versioned name -> root path), atomically.
+
+KEYS[1]  kvg:replica:{URL}:loaded   string: canonical JSON object {versioned name: root path}
+ARGV[1]  replica URL         ARGV[2] canonical JSON of the loaded set (sorted keys)
+ARGV[3]  time to live (ms): a replica that no kvgate polls any more fades out
+ARGV[4]  hint channel
+
+Returns 1 if the loaded set changed (a hint was published), 0 if only the TTL was refreshed.
+]]
+local previous = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if previous == ARGV[2] then
+  return 0
+end
+redis.call('PUBLISH', ARGV[4], 'replica:' .. ARGV[1])
+return 1
