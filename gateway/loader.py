@@ -16,17 +16,16 @@ import time
 from pathlib import Path
 
 import aiohttp
-import redis.exceptions
 
 from gateway.backends import LoadFailed
 from gateway.epoch_table import EpochTable, VersionState
 from gateway.errors import NoEligibleReplica
-from gateway.replicas import Replica, ReplicaPool
+from gateway.periodic import periodically
+from gateway.replicas import REDIS_DOWN, Replica, ReplicaPool
 from gateway.routing import pick, same_base
 from gateway.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class AdapterLoader:
@@ -162,6 +161,4 @@ class AdapterLoader:
                     await self._unload(replica, name)
 
     async def sweep_forever(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            await self.sweep()
+        await periodically(interval, self.sweep)

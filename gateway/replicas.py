@@ -18,8 +18,10 @@ import redis.exceptions
 from gateway.backends import AdapterListing, BackendDialect
 from gateway.config import base_identity
 from gateway.epoch_table import EpochTable
+from gateway.periodic import periodically
 
 log = logging.getLogger(__name__)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class Replica:
@@ -90,11 +92,13 @@ class ReplicaPool:
     async def poll_forever(self, interval: float, table: EpochTable) -> None:
         """Refresh every replica, then record what each has loaded in the shared table (for status)."""
         ttl_ms = int(max(interval * 10, 10) * 1000)
-        while True:
+
+        async def step() -> None:
             await self.refresh_all()
-            try:
-                for replica in self.healthy():
-                    await table.record_loaded(replica.url, replica.listing.adapters, ttl_ms)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-                log.debug("could not record loaded adapters: %s", exc)
-            await asyncio.sleep(interval)
+            for replica in self.healthy():
+                await table.record_loaded(replica.url, replica.listing.adapters, ttl_ms)
+
+        def redis_down(exc: Exception) -> None:
+            log.debug("could not record loaded adapters: %s", exc)
+
+        await periodically(interval, step, survive=REDIS_DOWN, on_error=redis_down)

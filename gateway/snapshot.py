@@ -20,8 +20,10 @@ import redis.exceptions
 
 from gateway import keys
 from gateway.epoch_table import EpochTable, TableView, VersionState
+from gateway.periodic import periodically, raise_if_cancelling
 
 log = logging.getLogger(__name__)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class Snapshot:
@@ -86,34 +88,29 @@ class SnapshotSync:
             group.create_task(self._listen_forever())
 
     async def _reconcile_forever(self) -> None:
-        while True:
-            try:
-                await self.reconcile()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-                if not self.snapshot.flushed:
-                    log.warning("epoch table unreachable, serving the last snapshot: %s", exc)
-                self.snapshot.flushed = True
-            await asyncio.sleep(self.interval)
+        await periodically(self.interval, self.reconcile, survive=REDIS_DOWN, on_error=self._dropped)
 
     async def _listen_forever(self) -> None:
-        while True:
-            try:
-                await self._listen()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-                log.warning("hint subscription dropped: %s", exc)
-                self.snapshot.flushed = True
-            await asyncio.sleep(self.interval)
+        await periodically(self.interval, self._listen, survive=REDIS_DOWN, on_error=self._dropped)
+
+    def _dropped(self, exc: Exception) -> None:
+        if not self.snapshot.flushed:
+            log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)
+        self.snapshot.flushed = True
 
     async def _listen(self) -> None:
         pubsub = self.table.redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(keys.HINTS)
             await self.reconcile()  # hints sent before the subscription are covered by a full read
-            async for message in pubsub.listen():
-                hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                if hint.startswith(keys.REPLICA_HINT_PREFIX):
+            while True:
+                raise_if_cancelling()
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
                     continue
-                self.snapshot.put(hint, await self.table.read_state(hint))
+                hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+                if not hint.startswith(keys.REPLICA_HINT_PREFIX):
+                    self.snapshot.put(hint, await self.table.read_state(hint))
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -1,0 +1,1 @@
+"""Load tests: kvgate side by side with direct access and a peer proxy (see README)."""

@@ -1,0 +1,123 @@
+"""A fast stub that follows vLLM's documented API, for proxy edge cases and load tests.
+
+Never a stand-in for vLLM in the integration tests (those run the real server). It records the
+last request body it received so tests can see exactly what kvgate forwarded.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class StubState:
+    base: str = "base"
+    base_root: str = "/models/tiny"
+    adapters: dict[str, str] = field(default_factory=dict)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[str] = field(default_factory=list)
+    fail_loads: str | None = None
+    chunks: int = 4
+    break_stream_after: int | None = None
+
+
+STUB = web.AppKey("stub", StubState)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    data = [{"id": state.base, "object": "model", "root": state.base_root, "parent": None}]
+    data += [{"id": n, "object": "model", "root": r, "parent": state.base} for n, r in state.adapters.items()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _load(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    body = await request.json()
+    if state.fail_loads:
+        return web.json_response(
+            {"error": {"message": state.fail_loads, "type": "NotFoundError"}}, status=404
+        )
+    if body["lora_name"] in state.adapters:
+        msg = f"The lora adapter '{body['lora_name']}' has already been loaded."
+        return web.json_response({"error": {"message": msg, "type": "InvalidUserInput"}}, status=400)
+    state.adapters[body["lora_name"]] = body["lora_path"]
+    state.loads.append(body["lora_name"])
+    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def _unload(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    body = await request.json()
+    if state.adapters.pop(body["lora_name"], None) is None:
+        return web.json_response({"error": {"message": "not found", "type": "NotFoundError"}}, status=404)
+    return web.Response(text="Success")
+
+
+async def _complete(request: web.Request) -> web.StreamResponse:
+    state = request.app[STUB]
+    body = await request.json()
+    state.received.append(body)
+    model = body["model"]
+    if model != state.base and model not in state.adapters:
+        msg = f"The model `{model}` does not exist."
+        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
+    chat = request.path.endswith("chat/completions")
+    if not body.get("stream"):
+        choice = {"index": 0, "finish_reason": "length"}
+        choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+        return web.json_response(
+            {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "model": model,
+             "choices": [choice], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+            dumps=lambda o: json.dumps(o, separators=(",", ":")),
+        )  # fmt: skip
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(state.chunks):
+        if state.break_stream_after is not None and i == state.break_stream_after:
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
+        chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                 "model": model, "choices": [{"index": 0, **delta, "finish_reason": None}]}  # fmt: skip
+        await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def build_stub(state: StubState) -> web.Application:
+    app = web.Application()
+    app[STUB] = state
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/load_lora_adapter", _load)
+    app.router.add_post("/v1/unload_lora_adapter", _unload)
+    app.router.add_post("/v1/completions", _complete)
+    app.router.add_post("/v1/chat/completions", _complete)
+    return app
+
+
+@asynccontextmanager
+async def run_app(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = port or free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,257 @@
+"""The request path against fast stub backends (edge cases), real Redis and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from redis.asyncio import Redis
+
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.epoch_table import EpochTable
+from gateway.identity import versioned_name
+from gateway.store import AdapterStore
+from tests.conftest import MakeAdapter
+from tests.stub_backend import StubState, build_stub, run_app
+
+Gateway = Callable[..., AbstractAsyncContextManager[str]]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> AdapterStore:
+    return AdapterStore(tmp_path / "store")
+
+
+@pytest.fixture
+def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -> Callable[..., Any]:
+    async def do(logical_id: str, weights: bytes) -> str:
+        artifact = store.ingest(make_adapter(weights))
+        name = versioned_name(logical_id, artifact.digest)
+        await table.publish(logical_id, artifact.digest, name, str(artifact.path), "base")
+        return name
+
+    return do
+
+
+@pytest.fixture
+def gateway(redis: Redis, store: AdapterStore) -> Gateway:
+    @asynccontextmanager
+    async def start(replicas: list[str], **overrides: Any) -> AsyncIterator[str]:
+        settings = Settings(
+            replicas=replicas,
+            store=store.root,
+            reconcile_interval=0.1,
+            poll_interval=overrides.pop("poll_interval", 0.1),
+            drain_grace=overrides.pop("drain_grace", 0.2),
+            **overrides,
+        )
+        async with run_app(build_app(settings, redis)) as url:
+            yield url
+
+    return start
+
+
+@asynccontextmanager
+async def stubs(count: int) -> AsyncIterator[list[tuple[str, StubState]]]:
+    states = [StubState() for _ in range(count)]
+    async with run_app(build_stub(states[0])) as a:
+        if count == 1:
+            yield [(a, states[0])]
+            return
+        async with run_app(build_stub(states[1])) as b:
+            yield [(a, states[0]), (b, states[1])]
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_completion_is_rewritten_both_ways(gateway: Gateway, publish: Any) -> None:
+    async with stubs(2) as backends:
+        v1 = await publish("tenant-42", b"v1")
+        async with gateway([u for u, _ in backends]) as url:
+            async with client(url) as api:
+                raw = await api.completions.with_raw_response.create(
+                    model="tenant-42",
+                    prompt="hello",
+                    max_tokens=1,
+                    extra_body={"cache_salt": "client-chosen"},
+                )
+            completion = raw.parse()
+    assert completion.model == "tenant-42"
+    assert raw.headers["x-kvgate-version"] == v1
+    assert raw.headers["x-kvgate-epoch"] == "1"
+    served = next(state for u, state in backends if u == raw.headers["x-kvgate-replica"])
+    sent = served.received[-1]
+    assert sent["model"] == v1
+    assert sent["cache_salt"].startswith("kvg-")
+    assert sent["cache_salt"] != "client-chosen"
+    assert served.loads == [v1]
+
+
+async def test_streams_carry_the_logical_id_in_every_chunk(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url, client(url) as api:
+            text_chunks = [
+                c async for c in await api.completions.create(model="tenant-42", prompt="p", stream=True)
+            ]
+            chat = await api.chat.completions.create(
+                model="tenant-42", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            chat_chunks = [c async for c in chat]
+    assert len(text_chunks) == 4
+    assert len(chat_chunks) == 4
+    assert {c.model for c in text_chunks} | {c.model for c in chat_chunks} == {"tenant-42"}
+    assert "".join(c.choices[0].text for c in text_chunks) == "t0t1t2t3"
+
+
+async def test_new_version_replaces_old_and_old_is_unloaded(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        (stub_url, stub) = backends[0]
+        v1 = await publish("tenant-42", b"v1")
+        async with gateway([stub_url]) as url, client(url) as api:
+            first = await api.completions.with_raw_response.create(
+                model="tenant-42", prompt="p", max_tokens=1
+            )
+            v2 = await publish("tenant-42", b"v2")
+            await asyncio.sleep(0.3)  # the hint (or the reconcile) reaches the snapshot
+            after = [
+                await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
+                for _ in range(3)
+            ]
+            await asyncio.sleep(1.0)  # drain grace 0.2 s, then the sweeper unloads v1
+    assert first.headers["x-kvgate-version"] == v1
+    assert {r.headers["x-kvgate-version"] for r in after} == {v2}
+    assert {r.headers["x-kvgate-epoch"] for r in after} == {"2"}
+    assert list(stub.adapters) == [v2]
+
+
+async def test_concurrent_first_requests_load_once(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        v1 = await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url, client(url) as api:
+            await asyncio.gather(
+                *(api.completions.create(model="tenant-42", prompt="p", max_tokens=1) for _ in range(10))
+            )
+    assert backends[0][1].loads == [v1]
+
+
+async def test_adapter_budget_evicts_least_recently_used(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        a = await publish("tenant-a", b"a")
+        b = await publish("tenant-b", b"b")
+        async with gateway([backends[0][0]], max_adapters_per_replica=1) as url, client(url) as api:
+            await api.completions.create(model="tenant-a", prompt="p", max_tokens=1)
+            await api.completions.create(model="tenant-b", prompt="p", max_tokens=1)
+    assert backends[0][1].loads == [a, b]
+    assert list(backends[0][1].adapters) == [b]
+
+
+async def test_models_lists_logical_ids_never_versions(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url, client(url) as api:
+            models = await api.models.list()
+    assert [m.id for m in models.data] == ["base", "tenant-42"]
+
+
+async def test_base_model_passes_through(gateway: Gateway) -> None:
+    async with stubs(1) as backends, gateway([backends[0][0]]) as url, client(url) as api:
+        raw = await api.completions.with_raw_response.create(model="base", prompt="p", max_tokens=1)
+    assert raw.parse().model == "base"
+    assert "x-kvgate-version" not in raw.headers
+    assert backends[0][1].received[-1]["model"] == "base"
+
+
+async def test_bump_changes_the_cache_namespace(gateway: Gateway, publish: Any, table: EpochTable) -> None:
+    async with stubs(1) as backends:
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url, client(url) as api:
+            await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+            await table.bump("tenant-42")
+            await asyncio.sleep(0.3)
+            await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+    salts = [body["cache_salt"] for body in backends[0][1].received]
+    assert len(set(salts)) == 2
+
+
+async def test_unknown_model_is_404_openai_style(gateway: Gateway) -> None:
+    async with stubs(1) as backends, gateway([backends[0][0]]) as url:
+        with pytest.raises(openai.NotFoundError) as caught:
+            async with client(url) as api:
+                await api.completions.create(model="tenant-404", prompt="p")
+    assert caught.value.status_code == 404
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["param"] == "model"
+
+
+async def post(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/completions", data=data) as response,
+    ):
+        return response.status, await response.json()
+
+
+async def test_malformed_bodies_are_400_and_oversized_413(gateway: Gateway) -> None:
+    async with stubs(1) as backends, gateway([backends[0][0]], max_body_bytes=2048) as url:
+        bad_json = await post(url, b"{not json")
+        no_model = await post(url, json.dumps({"prompt": "p"}).encode())
+        array = await post(url, b"[1]")
+        huge = await post(url, json.dumps({"model": "base", "prompt": "x" * 4096}).encode())
+    assert bad_json[0] == no_model[0] == array[0] == 400
+    assert no_model[1]["error"]["param"] == "model"
+    assert huge[0] == 413
+    assert huge[1]["error"]["type"] == "invalid_request_error"
+    assert backends[0][1].received == []
+
+
+async def test_failed_load_is_503_with_backend_reason(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        backends[0][1].fail_loads = "No adapter found for /nowhere"
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url:
+            with pytest.raises(openai.InternalServerError) as caught:
+                async with client(url) as api:
+                    await api.completions.create(model="tenant-42", prompt="p")
+    assert caught.value.status_code == 503
+    assert "No adapter found for /nowhere" in caught.value.message
+
+
+async def test_unreachable_backend_is_502(gateway: Gateway) -> None:
+    state = StubState()
+    async with run_app(build_stub(state)) as stub_url:
+        gateway_cm = gateway([stub_url], poll_interval=60)
+        url = await gateway_cm.__aenter__()
+    try:  # the stub is gone, the pool still thinks it is healthy until its next poll
+        with pytest.raises(openai.APIStatusError) as caught:
+            async with client(url) as api:
+                await api.completions.create(model="base", prompt="p")
+        assert caught.value.status_code == 502
+    finally:
+        await gateway_cm.__aexit__(None, None, None)
+
+
+async def test_stream_broken_midway_ends_with_an_sse_error(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        backends[0][1].break_stream_after = 2
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url:
+            body = json.dumps({"model": "tenant-42", "prompt": "p", "stream": True}).encode()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{url}/v1/completions", data=body) as response,
+            ):
+                text = await response.text()
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert len(events) == 3
+    assert json.loads(events[-1])["error"]["type"] == "upstream_error"
