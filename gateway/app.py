@@ -128,6 +128,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             base_identity=settings.base_identity,
             base_with_root=with_root,
             max_body_bytes=settings.max_body_bytes,
+            admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
         yield
 

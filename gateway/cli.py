@@ -25,7 +25,8 @@ from gateway.app import build_app
 from gateway.config import Settings, load_settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import KvgateError
-from gateway.identity import check_logical_id, versioned_name
+from gateway.identity import check_logical_id, scan_adapter, versioned_name
+from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
 from gateway.store import AdapterStore
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
+    serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
     _common(publish)
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas")
+    names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas",
+             "admin_token")  # fmt: skip
     overrides = {name: getattr(args, name, None) for name in names}
     env_config = os.environ.get("KVGATE_CONFIG")
     return load_settings(overrides, args.config or (Path(env_config) if env_config else None))
@@ -100,17 +103,17 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
 
 
 async def cmd_publish(args: argparse.Namespace, settings: Settings) -> None:
-    logical_id = check_logical_id(args.logical_id)
-    artifact = AdapterStore(settings.store).ingest(args.adapter_dir)
-    name = versioned_name(logical_id, artifact.digest)
+    check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
+    scan_adapter(args.adapter_dir)
     async with open_table(settings) as table:
-        change = await table.publish(
-            logical_id, artifact.digest, name, str(artifact.path), settings.base_identity
+        done = await publish_adapter(
+            table, AdapterStore(settings.store), args.logical_id, args.adapter_dir, settings.base_identity
         )
-    verb = "published" if change.changed else "unchanged (already current)"
-    doc = {"logical_id": logical_id, "digest": artifact.digest, "name": name, "path": str(artifact.path),
-           "epoch": change.epoch, "changed": change.changed, "base": settings.base_identity}  # fmt: skip
-    _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch} ({artifact.path})")
+    verb = "published" if done.change.changed else "unchanged (already current)"
+    doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
+           "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
+           "base": settings.base_identity}  # fmt: skip
+    _emit(args, doc, f"{verb}: {done.logical_id} -> {done.name} epoch {done.change.epoch} ({done.path})")
 
 
 async def cmd_rollback(args: argparse.Namespace, settings: Settings) -> None:
@@ -176,7 +179,8 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
 async def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     from gateway.demo import run_demo
 
-    await run_demo(settings, vllm_python=args.vllm_python, fixture_dir=args.fixture_dir)
+    if not await run_demo(settings, vllm_python=args.vllm_python, fixture_dir=args.fixture_dir):
+        raise KvgateError("the demo did not show the fault on the direct path and coherence through kvgate")
 
 
 COMMANDS = {

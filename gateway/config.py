@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     read_timeout: float = Field(600.0, gt=0)
     load_timeout: float = Field(120.0, gt=0)
     lock_ttl: float = Field(120.0, gt=0)
+    admin_token: SecretStr | None = None
+    """Required (header ``x-kvgate-admin-token``) to pin a request to a replica; pinning is off without it."""
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -3,7 +3,7 @@
     KvgateError                      500 internal_error
     ├── BadRequest                   400 invalid_request_error
     │   └── BodyTooLarge             413 invalid_request_error
-    ├── Unauthorized                 401 authentication_error
+    ├── Unauthorized                 401 authentication_error   (admin surface without the token)
     ├── ModelNotFound                404 not_found_error        (unknown logical ID)
     ├── InvalidAdapter               400 invalid_adapter        (publish refuses a directory)
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)

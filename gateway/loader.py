@@ -53,11 +53,15 @@ class AdapterLoader:
         self.base_with_root = base_with_root
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    async def ensure_loaded(self, version: VersionState) -> Replica:
+    async def ensure_loaded(self, version: VersionState, on: Replica | None = None) -> Replica:
+        """Load ``version`` on replica ``on`` (or on the least-loaded replica of its base) and return it."""
         candidates = same_base(self.pool.replicas, version.base, with_root=self.base_with_root)
+        if on is not None:
+            candidates = [replica for replica in candidates if replica is on]
         if not candidates:
+            where = f"replica {on.url}" if on is not None else "no healthy replica"
             raise NoEligibleReplica(
-                f"no healthy replica serves base {version.base!r} for {version.logical_id!r}", param="model"
+                f"{where} serves base {version.base!r} for {version.logical_id!r}", param="model"
             )
         target = pick(candidates)
         key = (target.url, version.name)

@@ -10,6 +10,7 @@ No Redis command runs here: the snapshot is local.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from gateway.errors import (
     KvgateError,
     ModelNotFound,
     NoEligibleReplica,
+    Unauthorized,
 )
 from gateway.loader import AdapterLoader
 from gateway.replicas import Replica, ReplicaPool
@@ -36,6 +38,8 @@ from gateway.routing import eligible, pick, same_base
 from gateway.snapshot import Snapshot
 
 SALT_PREFIX = "kvg-"
+PIN_HEADER = "x-kvgate-pin"
+ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
 _HOP_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 )
@@ -47,6 +51,7 @@ class ParsedRequest:
     raw: bytes
     model: str
     stream: bool
+    pin: Replica | None  # audits pin a request to one replica (admin token required)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,7 @@ class Proxy:
         base_identity: str,
         base_with_root: bool,
         max_body_bytes: int,
+        admin_token: str | None,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
@@ -85,6 +91,7 @@ class Proxy:
         self.base_identity = base_identity
         self.base_with_root = base_with_root
         self.max_body_bytes = max_body_bytes
+        self.admin_token = admin_token
 
     # --- stage 1: parse --------------------------------------------------------------------------
 
@@ -104,7 +111,19 @@ class Proxy:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("you must provide a model parameter", param="model")
-        return ParsedRequest(body, raw, model, stream=body.get("stream") is True)
+        return ParsedRequest(body, raw, model, stream=body.get("stream") is True, pin=self._pin(request))
+
+    def _pin(self, request: web.Request) -> Replica | None:
+        url = request.headers.get(PIN_HEADER)
+        if url is None:
+            return None
+        token = request.headers.get(ADMIN_TOKEN_HEADER, "")
+        if self.admin_token is None or not hmac.compare_digest(token.encode(), self.admin_token.encode()):
+            raise Unauthorized(f"{PIN_HEADER} needs a valid {ADMIN_TOKEN_HEADER}")
+        for replica in self.pool.replicas:
+            if replica.url == url.rstrip("/"):
+                return replica
+        raise BadRequest(f"{PIN_HEADER}: {url!r} is not one of this pool's replicas")
 
     # --- stage 2: resolve ------------------------------------------------------------------------
 
@@ -118,16 +137,18 @@ class Proxy:
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
-    async def schedule(self, target: Target) -> Replica:
+    async def schedule(self, target: Target, pin: Replica | None) -> Replica:
         if target.version is None:
             candidates = same_base(self.pool.replicas, self.base_identity, with_root=self.base_with_root)
-            if not candidates:
-                raise NoEligibleReplica(f"no healthy replica serves base model {self.base_model!r}")
-            return pick(candidates)
-        candidates = eligible(self.pool.replicas, target.version, with_root=self.base_with_root)
+        else:
+            candidates = eligible(self.pool.replicas, target.version, with_root=self.base_with_root)
+        if pin is not None:
+            candidates = [replica for replica in candidates if replica is pin]
         if candidates:
             return pick(candidates)
-        return await self.loader.ensure_loaded(target.version)
+        if target.version is None:
+            raise NoEligibleReplica(f"no healthy replica serves base model {self.base_model!r}")
+        return await self.loader.ensure_loaded(target.version, on=pin)
 
     # --- stage 4: forward ------------------------------------------------------------------------
 
@@ -145,7 +166,7 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         parsed = await self.parse(request)
         target = self.resolve(parsed.model)
-        replica = await self.schedule(target)
+        replica = await self.schedule(target, parsed.pin)
         return await self.forward(request, parsed, target, replica)
 
     async def forward(

@@ -1,0 +1,91 @@
+"""The cold-versus-warm experiment's building blocks, shared by ``kvgate demo`` and the audit.
+
+Same tokens, ``temperature=0``, token logprobs: a *warm* request reuses the prefix cache of its
+namespace; a *cold* one runs in a fresh namespace (a random ``cache_salt``) so nothing is reused.
+For one effective model, warm and cold must agree; on the CPU build they agree exactly.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+KVGATE_HEADERS = ("x-kvgate-version", "x-kvgate-digest", "x-kvgate-epoch", "x-kvgate-replica")
+
+_SENTENCES = (
+    "The harbor master counted the boats that came in with the evening tide.",
+    "A quiet engineer wrote down every number the old machine printed that night.",
+    "Seven lanterns hung along the pier, and the wind moved each of them in turn.",
+    "Nobody in the village remembered who had planted the row of tall pine trees.",
+    "The market opened early, and the baker sold bread to the fishermen first.",
+    "Rain fell on the library roof while the students read about distant rivers.",
+)
+
+
+def long_prompt(sentences: int = 15) -> str:
+    """A fixed English prompt over several 128-token KV blocks (450 tokens with the test tokenizer)."""
+    return " ".join(_SENTENCES[i % len(_SENTENCES)] for i in range(sentences))
+
+
+def fresh_salt() -> str:
+    return f"cold-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    text: str
+    token_logprobs: tuple[float, ...]
+    cached_tokens: int
+    prompt_tokens: int
+    model: str
+    evidence: dict[str, str] = field(default_factory=dict)
+
+    def max_logprob_diff(self, other: Sample) -> float:
+        if len(self.token_logprobs) != len(other.token_logprobs):
+            return float("inf")
+        pairs = zip(self.token_logprobs, other.token_logprobs, strict=True)
+        return max((abs(a - b) for a, b in pairs), default=0.0)
+
+    def agrees_with(self, other: Sample, tolerance: float = 0.0) -> bool:
+        return self.text == other.text and self.max_logprob_diff(other) <= tolerance
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int = 8,
+    cache_salt: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Sample:
+    """One greedy completion with token logprobs; raises for any non-200 answer."""
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{base_url} answered {response.status}: {await response.text()}")
+        doc = await response.json()
+        evidence = {name: response.headers[name] for name in KVGATE_HEADERS if name in response.headers}
+    choice = doc["choices"][0]
+    usage = doc.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Sample(
+        text=choice["text"],
+        token_logprobs=tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        model=doc["model"],
+        evidence=evidence,
+    )
