@@ -91,7 +91,7 @@ async def open_table(settings: Settings) -> AsyncIterator[EpochTable]:
         url = settings.redis_url
         if url is None:
             url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
-        redis = Redis.from_url(url, health_check_interval=10, socket_keepalive=True)
+        redis = Redis.from_url(url, health_check_interval=10)
         try:
             yield EpochTable(redis)
         finally:

@@ -1,0 +1,163 @@
+"""The same steps through kvgate, two real vLLM replicas, real Redis, the official openai client.
+
+v1 is published (through the ``kvgate`` CLI) and warmed on both replicas; v2 is published under the
+same logical ID. On every replica the warm answer then equals a cold run of v2 exactly, and no
+response after the switch carries v1. v1 is unloaded once the drain grace has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.experiment import Sample, complete, fresh_salt, long_prompt
+from gateway.proxy import ADMIN_TOKEN_HEADER, PIN_HEADER
+from gateway.redis_server import EmbeddedRedis
+from gateway.vllm_process import VllmProcess
+from tests.stub_backend import run_app
+from tests.vllm.conftest import listed
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+TOKEN = "test-admin-token"
+LOGICAL = "tenant-42"
+
+
+def kvgate(*args: str, redis_url: str, store: Path) -> dict[str, Any]:
+    """Run the real CLI, as an operator would."""
+    command = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        *args,
+        "--redis-url",
+        redis_url,
+        "--store",
+        str(store),
+        "--json",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def gateway(
+    vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_path: Path
+) -> AsyncIterator[tuple[str, Path]]:
+    settings = Settings(
+        replicas=[replica.url for replica in vllm_replicas],
+        store=tmp_path / "store",
+        reconcile_interval=0.2,
+        poll_interval=0.3,
+        drain_grace=1.0,
+        admin_token=TOKEN,
+    )
+    async with run_app(build_app(settings, session_redis)) as url:
+        yield url, settings.store
+
+
+def pin(replica: VllmProcess) -> dict[str, str]:
+    return {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: TOKEN}
+
+
+async def test_new_version_is_coherent_on_every_replica(
+    gateway: tuple[str, Path],
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    http: aiohttp.ClientSession,
+    fixture_dir: Path,
+) -> None:
+    url, store = gateway
+    prompt = long_prompt()
+    v1 = kvgate(
+        "publish", LOGICAL, str(fixture_dir / "adapters" / "v1"), redis_url=redis_server.url, store=store
+    )
+    await asyncio.sleep(0.5)
+
+    before: list[Sample] = []
+    for replica in vllm_replicas:  # warm v1 on both replicas
+        for _ in range(2):
+            before.append(await complete(http, url, LOGICAL, prompt, headers=pin(replica)))
+    assert {s.evidence["x-kvgate-version"] for s in before} == {v1["name"]}
+    assert [s.evidence["x-kvgate-replica"] for s in before] == [
+        r.url for r in vllm_replicas for _ in range(2)
+    ]
+    assert before[1].cached_tokens >= 384
+    assert before[3].cached_tokens >= 384
+
+    v2 = kvgate(
+        "publish", LOGICAL, str(fixture_dir / "adapters" / "v2"), redis_url=redis_server.url, store=store
+    )
+    assert (v2["epoch"], v2["changed"]) == (2, True)
+    assert v2["path"].startswith(str(store))
+    assert v2["digest"] != v1["digest"]
+    await asyncio.sleep(0.5)  # the hint reaches the snapshot (the reconcile runs every 0.2 s anyway)
+
+    after: list[Sample] = []
+    for replica in vllm_replicas:
+        after.append(await complete(http, url, LOGICAL, prompt, headers=pin(replica)))  # loads v2 there
+        warm = await complete(http, url, LOGICAL, prompt, headers=pin(replica))
+        cold = await complete(http, replica.url, v2["name"], prompt, cache_salt=fresh_salt())
+        after.append(warm)
+        assert warm.cached_tokens >= 384, f"{replica.url}: the warm v2 request must hit the prefix cache"
+        assert cold.cached_tokens == 0
+        assert warm.agrees_with(cold), f"{replica.url}: warm {warm.text!r} != cold {cold.text!r}"
+        assert warm.text != before[-1].text, "v2 must answer differently from v1"
+        assert (await listed(http, replica.url))[v2["name"]] == v2["path"]
+
+    headers = await openai_traffic(url, prompt)
+    served = [s.evidence["x-kvgate-version"] for s in after] + [h["x-kvgate-version"] for h in headers]
+    assert set(served) == {v2["name"]}, "no response after the switch may carry v1"
+    assert {s.model for s in after} == {LOGICAL}
+
+    for _ in range(40):  # drain grace 1 s, then the sweeper unloads v1 everywhere
+        loaded = [await listed(http, replica.url) for replica in vllm_replicas]
+        if all(v1["name"] not in names for names in loaded):
+            break
+        await asyncio.sleep(0.25)
+    assert all(v1["name"] not in names and v2["name"] in names for names in loaded)
+
+    status = kvgate("status", redis_url=redis_server.url, store=store)
+    (row,) = status["logical_ids"]
+    assert (row["logical_id"], row["digest"], row["epoch"]) == (LOGICAL, v2["digest"], 2)
+    assert row["loaded_on"] == sorted(replica.url for replica in vllm_replicas)
+
+
+async def openai_traffic(url: str, prompt: str) -> list[Any]:
+    """Non-streaming, streaming and chat requests with the official client; returns response headers."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        plain = await client.completions.with_raw_response.create(
+            model=LOGICAL, prompt=prompt, max_tokens=4, temperature=0
+        )
+        assert plain.parse().model == LOGICAL
+        assert (plain.parse().usage.prompt_tokens_details.cached_tokens or 0) >= 384  # type: ignore[union-attr]
+
+        streamed = await client.completions.with_raw_response.create(
+            model=LOGICAL, prompt=prompt, max_tokens=4, temperature=0, stream=True
+        )
+        chunks = [chunk async for chunk in streamed.parse()]
+        assert chunks
+        assert {chunk.model for chunk in chunks} == {LOGICAL}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.parse().choices[0].text
+
+        chat = await client.chat.completions.with_raw_response.create(
+            model=LOGICAL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4, stream=True
+        )
+        chat_chunks = [chunk async for chunk in chat.parse()]
+        assert chat_chunks
+        assert {chunk.model for chunk in chat_chunks} == {LOGICAL}
+    return [plain.headers, streamed.headers, chat.headers]
