@@ -1,0 +1,105 @@
+"""The ``kvgate`` CLI as an operator runs it: embedded Redis by default, exit codes, nothing half-done."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.redis_server import EmbeddedRedis
+from tests.conftest import MakeAdapter
+
+
+def kvgate(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        *args,
+        "--data-dir",
+        str(data_dir),
+        "--store",
+        str(data_dir / "store"),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def ok(*args: str, data_dir: Path) -> dict[str, Any]:
+    done = kvgate(*args, "--json", data_dir=data_dir)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_publish_rollback_bump_status_on_the_embedded_redis(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    data = tmp_path / "kvgate"
+    v1 = ok("publish", "tenant-42", str(make_adapter(b"v1")), data_dir=data)
+    again = ok("publish", "tenant-42", str(make_adapter(b"v1")), data_dir=data)
+    v2 = ok("publish", "tenant-42", str(make_adapter(b"v2")), data_dir=data)
+    assert (v1["epoch"], again["changed"], again["epoch"], v2["epoch"]) == (1, False, 1, 2)
+    assert v1["name"] == f"tenant-42@{v1['digest'][:16]}"
+    assert Path(v1["path"]) == (data / "store" / v1["digest"]).resolve()
+
+    back = ok("rollback", "tenant-42", data_dir=data)
+    assert (back["digest"], back["epoch"]) == (v1["digest"], 3)
+    assert ok("bump", "tenant-42", data_dir=data)["epoch"] == 4
+
+    # Each command started and stopped its own redis-server; the table persisted on disk.
+    status = ok("status", data_dir=data)
+    (row,) = status["logical_ids"]
+    assert (row["digest"], row["epoch"], row["loaded_on"]) == (v1["digest"], 4, [])
+    table = kvgate("status", data_dir=data)
+    assert table.returncode == 0
+    assert "tenant-42" in table.stdout
+    assert v1["digest"][:16] in table.stdout
+
+
+def test_cli_adopts_a_running_embedded_redis(make_adapter: MakeAdapter, tmp_path: Path) -> None:
+    data = tmp_path / "kvgate"
+    with EmbeddedRedis(data) as running:
+        ok("publish", "tenant-42", str(make_adapter(b"v1")), data_dir=data)
+        assert running.owned  # the CLI used the server we started, and left it running
+        assert kvgate("status", data_dir=data).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("breakage", "reason"),
+    [
+        ("no-config", "no adapter_config.json"),
+        ("symlink", "refusing symlink"),
+        ("missing", "is missing"),
+    ],
+)
+def test_invalid_publish_exits_nonzero_and_writes_nothing(
+    make_adapter: MakeAdapter, tmp_path: Path, breakage: str, reason: str
+) -> None:
+    data = tmp_path / "kvgate"
+    source = make_adapter(b"v1")
+    if breakage == "no-config":
+        (source / "adapter_config.json").unlink()
+    elif breakage == "symlink":
+        (source / "evil").symlink_to("/etc/passwd")
+    else:
+        source = tmp_path / "does-not-exist"
+    done = kvgate("publish", "tenant-42", str(source), data_dir=data)
+    assert done.returncode == 2
+    assert reason in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (data / "store").exists()
+    assert not data.exists(), "not even the embedded Redis was started"
+
+
+def test_bad_logical_id_and_unknown_rollback(make_adapter: MakeAdapter, tmp_path: Path) -> None:
+    data = tmp_path / "kvgate"
+    bad = kvgate("publish", "tenant@42", str(make_adapter()), data_dir=data)
+    assert bad.returncode == 2
+    assert "invalid logical ID" in bad.stderr
+    missing = kvgate("rollback", "nobody", data_dir=data)
+    assert missing.returncode == 2
+    assert "no published version" in missing.stderr
