@@ -7,6 +7,7 @@ same path would keep matching blocks computed with the old weights.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,8 @@ _ALREADY_LOADED = "has already been loaded"
 
 class VllmDialect:
     name = "vllm"
+    runtime_loading = True
+    cache_namespaces = True
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
         async with session.get(f"{url}/v1/models") as response:
@@ -46,6 +49,17 @@ class VllmDialect:
         async with session.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}) as response:
             if response.status not in (200, 404):
                 raise LoadFailed(await _reason(response), response.status)
+
+    async def purge_prefix_cache(self, session: aiohttp.ClientSession, url: str) -> bool:
+        """``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1``); False while blocks are in use."""
+        async with session.post(f"{url}/reset_prefix_cache") as response:
+            if response.status != 200:
+                raise LoadFailed(await _reason(response), response.status)
+            text = await response.text()
+        try:
+            return bool(json.loads(text).get("success", True))
+        except (ValueError, AttributeError):
+            return True
 
     def set_cache_namespace(self, body: dict[str, Any], salt: str) -> None:
         body["cache_salt"] = salt
