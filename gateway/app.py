@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
 from gateway.backends import VllmDialect
@@ -20,9 +22,12 @@ from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BodyTooLarge, KvgateError
 from gateway.loader import AdapterLoader
-from gateway.proxy import Proxy
+from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.prefix import PrefixIndex
+from gateway.proxy import Proxy, ProxyOptions
 from gateway.replicas import ReplicaPool
 from gateway.snapshot import Snapshot, SnapshotSync
+from gateway.tracing import tracer_from
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,8 @@ TABLE = web.AppKey("table", EpochTable)
 POOL = web.AppKey("pool", ReplicaPool)
 LOADER = web.AppKey("loader", AdapterLoader)
 PROXY = web.AppKey("proxy", Proxy)
+METRICS = web.AppKey("metrics", Metrics)
+TRACER = web.AppKey("tracer", Tracer)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -68,11 +75,22 @@ def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
     )
 
 
-def build_app(settings: Settings, redis: Redis) -> web.Application:
+def build_app(
+    settings: Settings,
+    redis: Redis,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    metrics: Metrics | None = None,
+) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
     app[SETTINGS] = settings
-    app[SNAPSHOT] = Snapshot()
-    app[TABLE] = EpochTable(redis)
+    app[METRICS] = metrics = metrics or Metrics()
+    app[TRACER] = tracer_from(tracer_provider)
+    app[SNAPSHOT] = Snapshot(
+        on_epoch_change=lambda logical_id: metrics.epoch_changes.labels(logical_id).inc()
+    )
+    metrics.track_staleness(app[SNAPSHOT].staleness)
+    app[TABLE] = EpochTable(redis, tracer=app[TRACER])
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_replica_poller)
@@ -83,6 +101,10 @@ def build_app(settings: Settings, redis: Redis) -> web.Application:
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY].list_models(request)
+
+    async def metrics_handler(request: web.Request) -> web.StreamResponse:
+        body = request.app[METRICS].exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
         pool, snapshot = request.app[POOL], request.app[SNAPSHOT]
@@ -98,6 +120,7 @@ def build_app(settings: Settings, redis: Redis) -> web.Application:
     app.router.add_post("/v1/chat/completions", proxy_handler)
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/healthz", health_handler)
+    app.router.add_get("/metrics", metrics_handler)
     return app
 
 
@@ -118,17 +141,25 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             load_timeout=settings.load_timeout,
             lock_ttl=settings.lock_ttl,
             base_with_root=with_root,
+            metrics=app[METRICS],
+            tracer=app[TRACER],
+        )
+        options = ProxyOptions(
+            base_model=settings.base_model,
+            base_identity=settings.base_identity,
+            base_with_root=with_root,
+            max_body_bytes=settings.max_body_bytes,
+            admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
             app[POOL],
             app[LOADER],
             dialect,
-            base_model=settings.base_model,
-            base_identity=settings.base_identity,
-            base_with_root=with_root,
-            max_body_bytes=settings.max_body_bytes,
-            admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
+            options,
+            index=PrefixIndex(settings.prefix_index_entries),
+            metrics=app[METRICS],
+            tracer=app[TRACER],
         )
         yield
 

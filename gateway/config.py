@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     read_timeout: float = Field(600.0, gt=0)
     load_timeout: float = Field(120.0, gt=0)
     lock_ttl: float = Field(120.0, gt=0)
+    prefix_index_entries: int = Field(100_000, ge=0)
+    """Prefix block keys remembered (LRU) for routing warm requests to the replica that holds them."""
+    canary_interval: float = Field(0.0, ge=0)
+    """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
     admin_token: SecretStr | None = None
     """Required (header ``x-kvgate-admin-token``) to pin a request to a replica; pinning is off without it."""
 

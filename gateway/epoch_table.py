@@ -7,16 +7,18 @@ tests control time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
@@ -64,9 +66,10 @@ class Change:
 
 
 class EpochTable:
-    def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms) -> None:
+    def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms, tracer: Tracer | None = None) -> None:
         self.redis = redis
         self.clock = clock
+        self.tracer = tracer or NoOpTracer()
         self.scripts: dict[str, AsyncScript] = {
             entry.name.removesuffix(".lua"): redis.register_script(entry.read_text())
             for entry in lua_dir().iterdir()
@@ -76,12 +79,26 @@ class EpochTable:
     async def _run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         return await self.scripts[script](keys=list(keys_), args=list(args))
 
+    @contextlib.contextmanager
+    def _span(self, name: str, logical_id: str, digest: str = "") -> Iterator[Span]:
+        with self.tracer.start_as_current_span(name) as span:
+            span.set_attribute("kvgate.logical_id", logical_id)
+            if digest:
+                span.set_attribute("kvgate.version.digest", digest)
+            yield span
+
     # --- mutations -------------------------------------------------------------------------------
 
     async def ensure_generation(self) -> str:
         return _text(await self._run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
 
     async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
+        with self._span("kvgate.publish", logical_id, digest=digest) as span:
+            change = await self._publish(logical_id, digest, name, path, base)
+            span.set_attribute("kvgate.epoch", change.epoch)
+            return change
+
+    async def _publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
         await self.ensure_generation()
         await self.redis.sadd(keys.IDS, logical_id)
         code, epoch = await self._run(
@@ -93,6 +110,12 @@ class EpochTable:
         return Change(changed=int(code) == 1, epoch=int(epoch), digest=digest)
 
     async def rollback(self, logical_id: str, digest: str = "") -> Change:
+        with self._span("kvgate.rollback", logical_id, digest=digest) as span:
+            change = await self._rollback(logical_id, digest)
+            span.set_attribute("kvgate.epoch", change.epoch)
+            return change
+
+    async def _rollback(self, logical_id: str, digest: str) -> Change:
         code, epoch, target = await self._run(
             "rollback_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
@@ -102,6 +125,12 @@ class EpochTable:
         return Change(changed=int(code) == 1, epoch=int(epoch), digest=_text(target))
 
     async def bump(self, logical_id: str) -> Change:
+        with self._span("kvgate.bump", logical_id) as span:
+            change = await self._bump(logical_id)
+            span.set_attribute("kvgate.epoch", change.epoch)
+            return change
+
+    async def _bump(self, logical_id: str) -> Change:
         code, epoch = await self._run(
             "bump_epoch",
             [keys.state(logical_id), keys.history(logical_id)],

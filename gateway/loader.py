@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 import aiohttp
+from opentelemetry.trace import StatusCode, Tracer
 
 from gateway.backends import LoadFailed
 from gateway.epoch_table import EpochTable, VersionState
 from gateway.errors import NoEligibleReplica
+from gateway.metrics import Metrics
 from gateway.periodic import periodically
 from gateway.replicas import REDIS_DOWN, Replica, ReplicaPool
 from gateway.routing import pick, same_base
@@ -41,6 +43,8 @@ class AdapterLoader:
         load_timeout: float,
         lock_ttl: float,
         base_with_root: bool,
+        metrics: Metrics,
+        tracer: Tracer,
     ) -> None:
         self.pool = pool
         self.table = table
@@ -51,6 +55,8 @@ class AdapterLoader:
         self.load_timeout = load_timeout
         self.lock_ttl_ms = int(lock_ttl * 1000)
         self.base_with_root = base_with_root
+        self.metrics = metrics
+        self.tracer = tracer
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def ensure_loaded(self, version: VersionState, on: Replica | None = None) -> Replica:
@@ -110,6 +116,28 @@ class AdapterLoader:
             if locked:
                 await self._release(replica, version, token)
 
+    async def _post_load(self, replica: Replica, version: VersionState) -> None:
+        started = time.perf_counter()
+        outcome = "failed"
+        with self.tracer.start_as_current_span("kvgate.load") as span:
+            span.set_attribute("kvgate.version.name", version.name)
+            span.set_attribute("kvgate.version.digest", version.digest)
+            span.set_attribute("kvgate.replica", replica.url)
+            try:
+                async with asyncio.timeout(self.load_timeout):
+                    await self.pool.dialect.load(self.pool.session, replica.url, version.name, version.path)
+                outcome = "loaded"
+            except LoadFailed as exc:
+                raise NoEligibleReplica(
+                    f"loading {version.name} on {replica.url} failed: {exc.reason}"
+                ) from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
+            finally:
+                span.set_attribute("kvgate.outcome", outcome)
+                self.metrics.loads.labels(replica.url, outcome).inc()
+                self.metrics.load_seconds.labels(replica.url).observe(time.perf_counter() - started)
+
     async def _acquire(self, replica: Replica, version: VersionState, token: str) -> bool:
         try:
             return await self.table.acquire_load_lock(
@@ -137,15 +165,21 @@ class AdapterLoader:
         idle.sort(key=lambda name: (name in current, replica.last_used.get(name, 0.0)))
         while len(managed) >= self.budget and idle:
             victim = idle.pop(0)
-            await self._unload(replica, victim)
+            await self._unload(replica, victim, reason="budget")
             managed.remove(victim)
 
-    async def _unload(self, replica: Replica, name: str) -> None:
-        try:
-            await self.pool.dialect.unload(self.pool.session, replica.url, name)
-        except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("unloading %s from %s failed: %s", name, replica.url, exc)
-            return
+    async def _unload(self, replica: Replica, name: str, *, reason: str) -> None:
+        with self.tracer.start_as_current_span("kvgate.unload") as span:
+            span.set_attribute("kvgate.version.name", name)
+            span.set_attribute("kvgate.replica", replica.url)
+            span.set_attribute("kvgate.unload.reason", reason)
+            try:
+                await self.pool.dialect.unload(self.pool.session, replica.url, name)
+            except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("unloading %s from %s failed: %s", name, replica.url, exc)
+                span.set_status(StatusCode.ERROR, str(exc))
+                return
+        self.metrics.unloads.labels(replica.url, reason).inc()
         log.info("unloaded %s from %s", name, replica.url)
         replica.listing.adapters.pop(name, None)
         replica.last_used.pop(name, None)
@@ -162,7 +196,7 @@ class AdapterLoader:
                     continue
                 retired_at = self.snapshot.retired.setdefault(name, now)
                 if now - retired_at >= self.drain_grace and not replica.in_flight_by_name.get(name):
-                    await self._unload(replica, name)
+                    await self._unload(replica, name, reason="retired")
 
     async def sweep_forever(self, interval: float) -> None:
         await periodically(interval, self.sweep)

@@ -4,7 +4,7 @@ Going in, ``model`` is rewritten from the logical ID to the versioned name and t
 cache namespace (the client's ``cache_salt`` is never forwarded). Coming out, the versioned name is
 rewritten back to the logical ID in the body and in every SSE line, and headers say which effective
 model answered: ``x-kvgate-version``, ``x-kvgate-digest``, ``x-kvgate-epoch``, ``x-kvgate-replica``.
-No Redis command runs here: the snapshot is local.
+No Redis command runs here: the snapshot is local. Each request leaves one span and its metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import re
+import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +22,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from blake3 import blake3
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
+from gateway import tracing as attr
 from gateway.backends import BackendDialect
 from gateway.epoch_table import VersionState
 from gateway.errors import (
@@ -33,16 +38,28 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.loader import AdapterLoader
+from gateway.metrics import UNKNOWN, Metrics
+from gateway.prefix import PrefixIndex, block_keys, prompt_text
 from gateway.replicas import Replica, ReplicaPool
-from gateway.routing import eligible, pick, same_base
+from gateway.routing import Choice, choose, eligible, same_base
 from gateway.snapshot import Snapshot
 
 SALT_PREFIX = "kvg-"
 PIN_HEADER = "x-kvgate-pin"
+NAMESPACE_HEADER = "x-kvgate-namespace"  # "cold": a fresh, throwaway cache namespace (audits)
 ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
-_HOP_HEADERS = frozenset(
-    {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
-)
+CLIENT_NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # vLLM's and SGLang's: never taken from a client
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyOptions:
+    base_model: str
+    base_identity: str
+    base_with_root: bool
+    max_body_bytes: int
+    admin_token: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +69,7 @@ class ParsedRequest:
     model: str
     stream: bool
     pin: Replica | None  # audits pin a request to one replica (admin token required)
+    cold: bool  # audits ask for a fresh cache namespace (admin token required)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +79,7 @@ class Target:
     logical_id: str
     version: VersionState | None
     salt: str | None
+    keys: list[bytes]  # prefix block keys, seeded by the cache namespace
 
 
 def cache_salt(generation: str, version: VersionState) -> str:
@@ -76,32 +95,54 @@ class Proxy:
         pool: ReplicaPool,
         loader: AdapterLoader,
         dialect: BackendDialect,
+        options: ProxyOptions,
         *,
-        base_model: str,
-        base_identity: str,
-        base_with_root: bool,
-        max_body_bytes: int,
-        admin_token: str | None,
+        index: PrefixIndex,
+        metrics: Metrics,
+        tracer: Tracer,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
         self.loader = loader
         self.dialect = dialect
-        self.base_model = base_model
-        self.base_identity = base_identity
-        self.base_with_root = base_with_root
-        self.max_body_bytes = max_body_bytes
-        self.admin_token = admin_token
+        self.options = options
+        self.index = index
+        self.metrics = metrics
+        self.tracer = tracer
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        label, outcome = UNKNOWN, "error"
+        with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
+            try:
+                parsed = await self.parse(request)
+                target = self.resolve(parsed)
+                label = target.logical_id
+                _describe_target(span, request, target, self.dialect.name)
+                choice = await self.schedule(target, parsed.pin)
+                _describe_choice(span, choice, target)
+                self.metrics.routing.labels(choice.decision).inc()
+                response = await self.forward(request, parsed, target, choice.replica, span, started)
+                outcome = str(response.status)
+                return response
+            except KvgateError as exc:
+                outcome = exc.type
+                span.set_status(StatusCode.ERROR, exc.message)
+                raise
+            finally:
+                self.metrics.requests.labels(label, outcome).inc()
+                self.metrics.latency.labels(label).observe(time.perf_counter() - started)
 
     # --- stage 1: parse --------------------------------------------------------------------------
 
     async def parse(self, request: web.Request) -> ParsedRequest:
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise BodyTooLarge(f"request body is over the {self.max_body_bytes}-byte limit")
+        limit = self.options.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise BodyTooLarge(f"request body is over the {self.max_body_bytes}-byte limit") from exc
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -111,105 +152,171 @@ class Proxy:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("you must provide a model parameter", param="model")
-        return ParsedRequest(body, raw, model, stream=body.get("stream") is True, pin=self._pin(request))
+        pin, cold = self._admin_options(request)
+        return ParsedRequest(body, raw, model, stream=body.get("stream") is True, pin=pin, cold=cold)
 
-    def _pin(self, request: web.Request) -> Replica | None:
-        url = request.headers.get(PIN_HEADER)
-        if url is None:
-            return None
-        token = request.headers.get(ADMIN_TOKEN_HEADER, "")
-        if self.admin_token is None or not hmac.compare_digest(token.encode(), self.admin_token.encode()):
-            raise Unauthorized(f"{PIN_HEADER} needs a valid {ADMIN_TOKEN_HEADER}")
+    def _admin_options(self, request: web.Request) -> tuple[Replica | None, bool]:
+        pin_url = request.headers.get(PIN_HEADER)
+        cold = request.headers.get(NAMESPACE_HEADER) == "cold"
+        if pin_url is None and not cold:
+            return None, False
+        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.options.admin_token
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise Unauthorized(f"{PIN_HEADER} and {NAMESPACE_HEADER} need a valid {ADMIN_TOKEN_HEADER}")
+        if pin_url is None:
+            return None, cold
         for replica in self.pool.replicas:
-            if replica.url == url.rstrip("/"):
-                return replica
-        raise BadRequest(f"{PIN_HEADER}: {url!r} is not one of this pool's replicas")
+            if replica.url == pin_url.rstrip("/"):
+                return replica, cold
+        raise BadRequest(f"{PIN_HEADER}: {pin_url!r} is not one of this pool's replicas")
 
     # --- stage 2: resolve ------------------------------------------------------------------------
 
-    def resolve(self, model: str) -> Target:
-        if model == self.base_model:
-            return Target(model, None, None)
-        version = self.snapshot.get(model)
+    def resolve(self, parsed: ParsedRequest) -> Target:
+        if parsed.model == self.options.base_model:
+            return Target(parsed.model, None, None, [])
+        version = self.snapshot.get(parsed.model)
         if version is None:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return Target(model, version, cache_salt(self.snapshot.generation, version))
+            raise ModelNotFound(
+                f"The model `{parsed.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if parsed.cold:
+            return Target(parsed.model, version, f"{SALT_PREFIX}cold-{secrets.token_hex(16)}", [])
+        salt = cache_salt(self.snapshot.generation, version)
+        return Target(parsed.model, version, salt, block_keys(salt, prompt_text(parsed.body)))
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
-    async def schedule(self, target: Target, pin: Replica | None) -> Replica:
+    async def schedule(self, target: Target, pin: Replica | None) -> Choice:
+        opts = self.options
         if target.version is None:
-            candidates = same_base(self.pool.replicas, self.base_identity, with_root=self.base_with_root)
+            candidates = same_base(self.pool.replicas, opts.base_identity, with_root=opts.base_with_root)
         else:
-            candidates = eligible(self.pool.replicas, target.version, with_root=self.base_with_root)
+            candidates = eligible(self.pool.replicas, target.version, with_root=opts.base_with_root)
         if pin is not None:
             candidates = [replica for replica in candidates if replica is pin]
+            if candidates:
+                return Choice(pin, "pinned", self.index.matched(target.keys, pin.url))
         if candidates:
-            return pick(candidates)
+            return choose(candidates, target.keys, self.index)
         if target.version is None:
-            raise NoEligibleReplica(f"no healthy replica serves base model {self.base_model!r}")
-        return await self.loader.ensure_loaded(target.version, on=pin)
+            raise NoEligibleReplica(f"no healthy replica serves base model {opts.base_model!r}")
+        return Choice(await self.loader.ensure_loaded(target.version, on=pin), "loaded")
 
     # --- stage 4: forward ------------------------------------------------------------------------
 
     def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes:
-        if target.version is None and "cache_salt" not in parsed.body:
+        if target.version is None and not any(field in parsed.body for field in CLIENT_NAMESPACE_FIELDS):
             return parsed.raw
         body = dict(parsed.body)
-        body.pop("cache_salt", None)  # a client never chooses a cache namespace
+        for field in CLIENT_NAMESPACE_FIELDS:  # a client never chooses a cache namespace
+            body.pop(field, None)
         if target.version is not None:
             body["model"] = target.version.name
             if target.salt is not None:
                 self.dialect.set_cache_namespace(body, target.salt)
         return json.dumps(body, separators=(",", ":")).encode()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        parsed = await self.parse(request)
-        target = self.resolve(parsed.model)
-        replica = await self.schedule(target, parsed.pin)
-        return await self.forward(request, parsed, target, replica)
-
     async def forward(
-        self, request: web.Request, parsed: ParsedRequest, target: Target, replica: Replica
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        target: Target,
+        replica: Replica,
+        span: Span,
+        started: float,
     ) -> web.StreamResponse:
         name = target.version.name if target.version is not None else None
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        attr.inject_traceparent(headers)
         rewrite = _ModelRewrite(name, target.logical_id) if name is not None else None
+        usage = _Usage(self.metrics, target.logical_id, span)
         replica.begin(name)
         try:
             with _upstream_errors(replica):
                 async with self.pool.session.post(
                     replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
                 ) as upstream:
-                    is_sse = upstream.content_type == "text/event-stream"
-                    if parsed.stream and is_sse:
-                        return await _relay_stream(request, upstream, rewrite, _evidence(target, replica))
-                    payload = await upstream.read()
-            if rewrite is not None:
-                payload = rewrite.apply(payload)
-            response = web.Response(body=payload, status=upstream.status, headers=_evidence(target, replica))
-            response.content_type = upstream.content_type
+                    self.metrics.ttfb.labels(target.logical_id).observe(time.perf_counter() - started)
+                    if parsed.stream and upstream.content_type == "text/event-stream":
+                        response = await _relay_stream(
+                            request, upstream, rewrite, usage, _evidence(target, replica)
+                        )
+                    else:
+                        payload = await upstream.read()
+                        usage.scan(payload)
+                        if rewrite is not None:
+                            payload = rewrite.apply(payload)
+                        response = web.Response(
+                            body=payload, status=upstream.status, headers=_evidence(target, replica)
+                        )
+                        response.content_type = upstream.content_type
+            if response.status == 200 and target.keys:
+                self.index.record(target.keys, replica.url)
             return response
         finally:
             replica.end(name)
 
     async def list_models(self, request: web.Request) -> web.Response:
+        base = self.options.base_model
+        ids = [(base, None), *sorted((state.logical_id, base) for state in self.snapshot)]
         data = [
-            {"id": self.base_model, "object": "model", "created": 0, "owned_by": "kvgate", "parent": None}
-        ]
-        data += [
-            {
-                "id": state.logical_id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kvgate",
-                "parent": self.base_model,
-            }
-            for state in sorted(self.snapshot, key=lambda s: s.logical_id)
+            {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "parent": parent}
+            for model, parent in ids
         ]
         return web.json_response({"object": "list", "data": data})
+
+
+def _describe_target(span: Span, request: web.Request, target: Target, provider: str) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute(
+        attr.OPERATION, "chat" if request.path.endswith("chat/completions") else "text_completion"
+    )
+    span.set_attribute(attr.PROVIDER, provider)
+    span.set_attribute(attr.REQUEST_MODEL, target.logical_id)
+    span.set_attribute(attr.LOGICAL_ID, target.logical_id)
+    if target.version is not None:
+        span.set_attribute(attr.RESPONSE_MODEL, target.logical_id)
+        span.set_attribute(attr.VERSION_NAME, target.version.name)
+        span.set_attribute(attr.VERSION_DIGEST, target.version.digest)
+        span.set_attribute(attr.EPOCH, target.version.epoch)
+        span.set_attribute(attr.BASE, target.version.base)
+    if target.keys:
+        span.set_attribute(attr.BLOCK_KEY, target.keys[0].hex())
+
+
+def _describe_choice(span: Span, choice: Choice, target: Target) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute(attr.REPLICA, choice.replica.url)
+    span.set_attribute(attr.ROUTING, choice.decision)
+    span.set_attribute(attr.MATCHED_BLOCKS, choice.matched_blocks)
+    span.set_attribute(attr.PREDICTED_HIT, choice.matched_blocks > 0)
+    if target.version is not None:
+        span.set_attribute(attr.REPLICA_LOADED, choice.replica.listing.adapters.get(target.version.name, ""))
+
+
+class _Usage:
+    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics and the span."""
+
+    __slots__ = ("label", "metrics", "span")
+
+    def __init__(self, metrics: Metrics, label: str, span: Span) -> None:
+        self.metrics, self.label, self.span = metrics, label, span
+
+    def scan(self, data: bytes) -> None:
+        if b'"usage"' not in data:
+            return
+        cached = _CACHED_TOKENS.search(data)
+        prompt = _PROMPT_TOKENS.search(data)
+        if prompt is not None:
+            self.metrics.prompt_tokens.labels(self.label).inc(int(prompt.group(1)))
+        if cached is not None:
+            self.metrics.cached_tokens.labels(self.label).inc(int(cached.group(1)))
+            self.span.set_attribute(attr.CACHED_TOKENS, int(cached.group(1)))
 
 
 class _ModelRewrite:
@@ -245,6 +352,7 @@ async def _relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
     rewrite: _ModelRewrite | None,
+    usage: _Usage,
     headers: dict[str, str],
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -253,6 +361,7 @@ async def _relay_stream(
     await response.prepare(request)
     try:
         async for line in upstream.content:
+            usage.scan(line)
             await response.write(rewrite.apply(line) if rewrite is not None else line)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # Bytes already went out: the status is sent, so the error travels as a final SSE event.

@@ -1,16 +1,31 @@
-"""Where a request goes: filter (healthy, base matches, version loaded) → score (load) → pick.
+"""Where a request goes: filter (healthy, base matches, version loaded) → score → pick.
 
 Warm requests go only to replicas whose loaded version matches: a replica is eligible for a version
 only when it lists the versioned name with that version's content-addressed root and serves the
-base the version was published for. Every stage is a plain function over ``Replica`` objects.
+base the version was published for. Among eligible replicas, the one known to hold the longest prefix
+of the prompt wins, unless that would overload it (consistent hashing with bounded loads: no replica
+takes more than ``load_factor`` times its fair share of in-flight requests); with no match, the
+least-loaded replica wins.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gateway.epoch_table import VersionState
+from gateway.prefix import PrefixIndex
 from gateway.replicas import Replica
+
+LOAD_FACTOR = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    replica: Replica
+    decision: str  # "prefix" | "least-loaded" | "pinned" | "loaded"
+    matched_blocks: int = 0
 
 
 def same_base(replicas: Sequence[Replica], base: str, *, with_root: bool) -> list[Replica]:
@@ -18,11 +33,8 @@ def same_base(replicas: Sequence[Replica], base: str, *, with_root: bool) -> lis
 
 
 def eligible(replicas: Sequence[Replica], version: VersionState, *, with_root: bool) -> list[Replica]:
-    return [
-        r
-        for r in same_base(replicas, version.base, with_root=with_root)
-        if r.serves(version.name, version.path)
-    ]
+    same = same_base(replicas, version.base, with_root=with_root)
+    return [r for r in same if r.serves(version.name, version.path)]
 
 
 def load_score(replica: Replica, busiest: int) -> float:
@@ -31,6 +43,25 @@ def load_score(replica: Replica, busiest: int) -> float:
 
 
 def pick(candidates: Sequence[Replica]) -> Replica:
-    """The best-scoring replica; ties go to the one with fewer adapters loaded, then list order."""
+    """The least-loaded replica; ties go to the one with fewer adapters loaded, then list order."""
     busiest = max(r.in_flight for r in candidates)
     return max(candidates, key=lambda r: (load_score(r, busiest), -len(r.listing.adapters)))
+
+
+def within_bound(candidates: Sequence[Replica], load_factor: float = LOAD_FACTOR) -> list[Replica]:
+    """Replicas that can take one more request without exceeding their bounded share."""
+    total = sum(r.in_flight for r in candidates) + 1
+    capacity = max(1, math.ceil(load_factor * total / len(candidates)))
+    return [r for r in candidates if r.in_flight + 1 <= capacity] or list(candidates)
+
+
+def choose(candidates: Sequence[Replica], keys: list[bytes], index: PrefixIndex) -> Choice:
+    allowed = within_bound(candidates)
+    if keys:
+        matched = {r.url: index.matched(keys, r.url) for r in allowed}
+        best = max(allowed, key=lambda r: matched[r.url])
+        if matched[best.url]:
+            busiest = max(r.in_flight for r in allowed)
+            best = max(allowed, key=lambda r: (matched[r.url], load_score(r, busiest)))
+            return Choice(best, "prefix", matched[best.url])
+    return Choice(pick(allowed), "least-loaded")

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis.exceptions
 
@@ -27,7 +27,8 @@ REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, O
 
 
 class Snapshot:
-    def __init__(self) -> None:
+    def __init__(self, on_epoch_change: Callable[[str], None] = lambda logical_id: None) -> None:
+        self.on_epoch_change = on_epoch_change
         self.generation = ""
         self._states: dict[str, VersionState] = {}
         self.retired: dict[str, float] = {}
@@ -62,6 +63,8 @@ class Snapshot:
             self._states.pop(logical_id, None)
         else:
             self._states[logical_id] = state
+            if previous is not None and previous.epoch != state.epoch:
+                self.on_epoch_change(logical_id)
             self.retired.pop(state.name, None)
 
     def _retire(self, state: VersionState) -> None:

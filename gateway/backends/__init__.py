@@ -1,6 +1,32 @@
 """Backend dialects: how to list, load and unload adapters on one kind of server, and name its cache."""
 
 from gateway.backends.base import AdapterListing, BackendDialect, LoadFailed
+from gateway.backends.generic import GenericOpenAIDialect
+from gateway.backends.sglang import SglangDialect
 from gateway.backends.vllm import VllmDialect
 
-__all__ = ["AdapterListing", "BackendDialect", "LoadFailed", "VllmDialect"]
+DIALECTS = ("vllm", "sglang", "generic")
+"""The names ``dialect_for`` accepts."""
+
+
+def dialect_for(name: str) -> BackendDialect:
+    """A fresh dialect for ``name`` (one of ``DIALECTS``); ValueError for any other name."""
+    if name == "vllm":
+        return VllmDialect()
+    if name == "sglang":
+        return SglangDialect()
+    if name == "generic":
+        return GenericOpenAIDialect()
+    raise ValueError(f"unknown backend dialect {name!r}; expected one of {', '.join(DIALECTS)}")
+
+
+__all__ = [
+    "DIALECTS",
+    "AdapterListing",
+    "BackendDialect",
+    "GenericOpenAIDialect",
+    "LoadFailed",
+    "SglangDialect",
+    "VllmDialect",
+    "dialect_for",
+]

@@ -1,0 +1,146 @@
+"""A fast stub that follows SGLang's documented API, for the SGLang dialect's tests.
+
+Runtime LoRA: ``POST /load_lora_adapter {lora_name, lora_path, pinned}`` and ``POST /unload_lora_adapter
+{lora_name}`` answer ``{success, error_message, loaded_adapters}`` (200 on success, 400 otherwise), and a
+same-name load is refused until the name is unloaded. ``/v1/models`` lists the base and, like newer
+SGLang, the loaded adapters; ``list_adapters=False`` acts like older SGLang, which lists the base only.
+``/flush_cache`` answers 400 while ``busy``. Completions record the bodies they received.
+``run_sglang_stub`` serves it with ``tests.stub_backend.run_app``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from tests.stub_backend import free_port, run_app
+
+__all__ = ["SGLANG_STUB", "SglangStubState", "build_sglang_stub", "free_port", "run_sglang_stub"]
+
+_FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+@dataclass
+class SglangStubState:
+    base: str = "base"
+    base_root: str = "base"  # SGLang lists the served model name as the base's root
+    adapters: dict[str, str] = field(default_factory=dict)
+    list_adapters: bool = True
+    received: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[dict[str, Any]] = field(default_factory=list)
+    fail_loads: str | None = None
+    busy: bool = False
+    flushes: int = 0
+
+
+SGLANG_STUB = web.AppKey("sglang_stub", SglangStubState)
+
+
+def _update(state: SglangStubState, error: str | None, *, with_adapters: bool = True) -> web.Response:
+    answer = {
+        "success": error is None,
+        "error_message": error or "",
+        "loaded_adapters": dict(state.adapters) if with_adapters else None,
+    }
+    return web.json_response(answer, status=200 if error is None else 400)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[SGLANG_STUB]
+    data: list[dict[str, Any]] = [
+        {"id": state.base, "object": "model", "owned_by": "sglang", "root": state.base_root, "parent": None}
+    ]
+    if state.list_adapters:
+        data += [
+            {"id": name, "object": "model", "owned_by": "sglang", "root": path, "parent": state.base}
+            for name, path in state.adapters.items()
+        ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _load(request: web.Request) -> web.Response:
+    state = request.app[SGLANG_STUB]
+    body = await request.json()
+    state.loads.append(body)
+    name, path = body["lora_name"], body["lora_path"]
+    if state.fail_loads:
+        return _update(state, state.fail_loads)
+    if name in state.adapters:
+        return _update(state, f"Failed to load LoRA adapter {name} because it is already loaded")
+    state.adapters[name] = path
+    return _update(state, None)
+
+
+async def _unload(request: web.Request) -> web.Response:
+    state = request.app[SGLANG_STUB]
+    name = (await request.json())["lora_name"]
+    if state.adapters.pop(name, None) is None:
+        loaded = f"dict_keys({list(state.adapters)!r})"
+        return _update(
+            state, f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}", with_adapters=False
+        )
+    return _update(state, None)
+
+
+async def _flush(request: web.Request) -> web.Response:
+    state = request.app[SGLANG_STUB]
+    if state.busy:
+        return web.Response(text=_FLUSH_TEXT, status=400)
+    state.flushes += 1
+    return web.Response(text=_FLUSH_TEXT)
+
+
+async def _complete(request: web.Request) -> web.StreamResponse:
+    state = request.app[SGLANG_STUB]
+    body = await request.json()
+    state.received.append(body)
+    model = body["model"]
+    if model != state.base and model not in state.adapters:
+        error = {"object": "error", "message": f"LoRA adapter {model} is not loaded", "type": "BadRequest"}
+        return web.json_response(error | {"code": 400}, status=400)
+    chat = request.path.endswith("chat/completions")
+    kind = "chat.completion" if chat else "text_completion"
+    if not body.get("stream"):
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        return web.json_response(
+            {"id": "cmpl-1", "object": kind, "model": model, "choices": [choice], "usage": usage}
+        )
+    delta = {"delta": {"content": "ok"}} if chat else {"text": "ok"}
+    choices = [{"index": 0, **delta, "finish_reason": "length"}]
+    chunk = {"id": "cmpl-1", "object": f"{kind}.chunk" if chat else kind, "model": model, "choices": choices}
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def build_sglang_stub(state: SglangStubState) -> web.Application:
+    app = web.Application()
+    app[SGLANG_STUB] = state
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/load_lora_adapter", _load)
+    app.router.add_post("/unload_lora_adapter", _unload)
+    app.router.add_route("GET", "/flush_cache", _flush)
+    app.router.add_route("POST", "/flush_cache", _flush)
+    app.router.add_post("/v1/completions", _complete)
+    app.router.add_post("/v1/chat/completions", _complete)
+    return app
+
+
+@asynccontextmanager
+async def run_sglang_stub(state: SglangStubState, port: int | None = None) -> AsyncIterator[str]:
+    """Serve a stub for ``state`` on 127.0.0.1 and yield its base URL."""
+    async with run_app(build_sglang_stub(state), port) as url:
+        yield url
