@@ -102,6 +102,9 @@ def build_app(
     async def models_handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY].list_models(request)
 
+    async def status_handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].status(request)
+
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
         body = request.app[METRICS].exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -121,6 +124,7 @@ def build_app(
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/healthz", health_handler)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/kvgate/status", status_handler)
     return app
 
 

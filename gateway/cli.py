@@ -14,17 +14,29 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.app import build_app
+from gateway.audit import (
+    AuditTarget,
+    DirectTarget,
+    GatewayTarget,
+    audit_before_after,
+    audit_round,
+    faulty,
+    render,
+    run_shell,
+)
+from gateway.audit import to_json as audit_json
 from gateway.config import Settings, load_settings
 from gateway.epoch_table import EpochTable
-from gateway.errors import KvgateError
+from gateway.errors import BadRequest, KvgateError
 from gateway.identity import check_logical_id, scan_adapter, versioned_name
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
@@ -68,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="every logical ID: digest, epoch, replicas that loaded it")
     _common(status)
+
+    audit = commands.add_parser("audit", help="cold-versus-warm coherence audit, per replica")
+    _common(audit)
+    audit.add_argument("logical_id", nargs="?", help="audit this logical ID through --gateway")
+    audit.add_argument("--gateway", help="kvgate URL (needs --admin-token / KVGATE_ADMIN_TOKEN)")
+    audit.add_argument("--admin-token", help="the gateway's admin token")
+    audit.add_argument("--direct", action="append", help="a raw server URL (repeat); no kvgate involved")
+    audit.add_argument("--model", help="with --direct: the adapter name on the server(s)")
+    audit.add_argument("--before-after", action="store_true", help="audit, run the update, audit again")
+    audit.add_argument(
+        "--publish", type=Path, help="through kvgate: the update publishes this adapter directory"
+    )
+    audit.add_argument("--reload-cmd", help="with --direct: the update is this shell command")
+    audit.add_argument("--colds", type=int, default=2, help="cold runs per replica (calibrate the tolerance)")
+    audit.add_argument(
+        "--expect-digest", help="the digest every replica should serve (default: the majority)"
+    )
 
     demo = commands.add_parser("demo", help="the fault and the cure, side by side, on real vLLM replicas")
     _common(demo)
@@ -176,6 +205,65 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
             await runner.cleanup()
 
 
+async def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 when every verdict is coherent, 3 when the audit found a fault."""
+    target, update = _audit_plan(args, settings)
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
+    )
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        if args.before_after:
+            before, after = await audit_before_after(http, target, lambda: update(http), colds=args.colds)
+            rounds = {"before": before, "after": after}
+        else:
+            verdicts = await audit_round(http, target, colds=args.colds, expected_digest=args.expect_digest)
+            rounds = {"audit": verdicts}
+    if args.json:
+        print(audit_json(rounds))
+    else:
+        print("\n\n".join(render(name, verdicts) for name, verdicts in rounds.items()))
+    return 3 if any(faulty(verdicts) for verdicts in rounds.values()) else 0
+
+
+UpdateStep = Callable[[aiohttp.ClientSession], Awaitable[str | None]]
+
+
+def _audit_plan(args: argparse.Namespace, settings: Settings) -> tuple[AuditTarget, UpdateStep]:
+    """Which deployment to audit, and what ``--before-after`` runs between the two rounds."""
+    if args.direct:
+        if not args.model or args.logical_id or args.gateway:
+            raise BadRequest("--direct needs --model NAME and no logical ID or --gateway")
+        if args.before_after and not args.reload_cmd:
+            raise BadRequest("--before-after with --direct needs --reload-cmd")
+
+        async def reload(http: aiohttp.ClientSession) -> str | None:
+            await run_shell(args.reload_cmd)
+            return str(args.expect_digest) if args.expect_digest else None
+
+        return DirectTarget(tuple(url.rstrip("/") for url in args.direct), args.model), reload
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    if not (args.logical_id and args.gateway and token):
+        raise BadRequest(
+            "audit a logical ID with --gateway URL and an admin token, or a raw server with --direct"
+        )
+    if args.before_after and not args.publish:
+        raise BadRequest("--before-after through kvgate needs --publish ADAPTER_DIR")
+    target = GatewayTarget(args.gateway.rstrip("/"), check_logical_id(args.logical_id), token)
+
+    async def publish(http: aiohttp.ClientSession) -> str | None:
+        async with open_table(settings) as table:
+            done = await publish_adapter(
+                table, AdapterStore(settings.store), target.logical_id, args.publish, settings.base_identity
+            )
+        for _ in range(int((settings.reconcile_interval * 10 + 5) / 0.1)):  # until the gateway serves it
+            if await target.serves(http, done.digest):
+                return done.digest
+            await asyncio.sleep(0.1)
+        raise KvgateError(f"the gateway did not switch to {done.name} in time")
+
+    return target, publish
+
+
 async def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     from gateway.demo import run_demo
 
@@ -183,8 +271,9 @@ async def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
         raise KvgateError("the demo did not show the fault on the direct path and coherence through kvgate")
 
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int | None]]] = {
     "serve": cmd_serve,
+    "audit": cmd_audit,
     "publish": cmd_publish,
     "rollback": cmd_rollback,
     "bump": cmd_bump,
@@ -198,14 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
-        asyncio.run(COMMANDS[args.command](args, settings))
+        code = asyncio.run(COMMANDS[args.command](args, settings))
     except KvgateError as exc:
         print(f"kvgate {args.command}: {exc.message}", file=sys.stderr)
         return 2 if exc.status < 500 else 1
     except (OSError, ValueError) as exc:
         print(f"kvgate {args.command}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -155,14 +155,20 @@ class Proxy:
         pin, cold = self._admin_options(request)
         return ParsedRequest(body, raw, model, stream=body.get("stream") is True, pin=pin, cold=cold)
 
+    def check_admin(self, request: web.Request) -> None:
+        """The admin surface: off without a configured token, and a constant-time token check."""
+        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.options.admin_token
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise Unauthorized(
+                f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
+            )
+
     def _admin_options(self, request: web.Request) -> tuple[Replica | None, bool]:
         pin_url = request.headers.get(PIN_HEADER)
         cold = request.headers.get(NAMESPACE_HEADER) == "cold"
         if pin_url is None and not cold:
             return None, False
-        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.options.admin_token
-        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
-            raise Unauthorized(f"{PIN_HEADER} and {NAMESPACE_HEADER} need a valid {ADMIN_TOKEN_HEADER}")
+        self.check_admin(request)
         if pin_url is None:
             return None, cold
         for replica in self.pool.replicas:
@@ -259,6 +265,34 @@ class Proxy:
         finally:
             replica.end(name)
 
+    async def status(self, request: web.Request) -> web.Response:
+        """Admin view: what this kvgate serves and what each replica reports."""
+        self.check_admin(request)
+        versions = {
+            s.logical_id: {
+                "digest": s.digest,
+                "name": s.name,
+                "epoch": s.epoch,
+                "base": s.base,
+                "path": s.path,
+            }
+            for s in self.snapshot
+        }
+        replicas = [
+            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "base": r.listing.base_name,
+             "adapters": r.listing.adapters}
+            for r in self.pool.replicas
+        ]  # fmt: skip
+        doc = {
+            "generation": self.snapshot.generation,
+            "snapshot_flushed": self.snapshot.flushed,
+            "snapshot_staleness_s": self.snapshot.staleness(),
+            "versions": versions,
+            "replicas": replicas,
+            "prefix_index_entries": len(self.index),
+        }
+        return web.json_response(doc)
+
     async def list_models(self, request: web.Request) -> web.Response:
         base = self.options.base_model
         ids = [(base, None), *sorted((state.logical_id, base) for state in self.snapshot)]
@@ -345,6 +379,8 @@ def _evidence(target: Target, replica: Replica) -> dict[str, str]:
         headers["x-kvgate-version"] = target.version.name
         headers["x-kvgate-digest"] = target.version.digest
         headers["x-kvgate-epoch"] = str(target.version.epoch)
+    if target.keys:
+        headers["x-kvgate-prefix-key"] = target.keys[0].hex()
     return headers
 
 

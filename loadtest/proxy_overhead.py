@@ -36,13 +36,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import aiohttp
 
+from loadtest.hotspots import summarize
 from tests.stub_backend import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -387,24 +388,60 @@ async def bench(targets: list[Target], stub: Child, args: argparse.Namespace) ->
                     )
         for target in targets:
             results.idle_ms_per_s[target.name] = await idle_rate(target, args.idle_seconds)
-        for round_no in range(args.rounds):
-            shift = round_no % len(targets)  # rotate the order: slow drift of the machine hits all alike
-            for target in targets[shift:] + targets[:shift]:
-                for kind in KINDS:
-                    stream = kind == "stream"
-                    count = args.requests if not stream else max(args.requests // 4, 1)
-                    phase = await run_phase(sessions[target.name], target, stub, stream=stream, count=count,
-                                            concurrency=args.concurrency,
-                                            max_seconds=args.phase_seconds)  # fmt: skip
-                    results.add(target.name, kind, phase)
-                    print(f"  round {round_no + 1} {target.name:<8} {kind:<6} {phase.requests:>6} req "
-                          f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req  "
-                          f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
-                          f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
+        kvgate = next(t.proxy for t in targets if t.name == "kvgate")
+        assert kvgate is not None
+        async with _py_spy(kvgate, args.py_spy):
+            await _rounds(targets, stub, sessions, results, args)
     finally:
         for session in sessions.values():
             await session.close()
     return results
+
+
+@contextlib.asynccontextmanager
+async def _py_spy(child: Child, out: Path | None) -> AsyncIterator[None]:
+    """Optionally sample ``child`` with py-spy (collapsed stacks) while the body runs."""
+    if out is None:
+        yield
+        return
+    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    argv = [binary, "record", "--pid", str(child.process.pid), "--rate", "250", "--function",
+            "--format", "raw", "--output", str(out)]  # fmt: skip
+    spy = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL)
+    await asyncio.sleep(1.0)  # let it attach
+    try:
+        yield
+    finally:
+        if spy.returncode is None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            try:
+                await asyncio.wait_for(spy.wait(), timeout=30)
+            except TimeoutError:
+                spy.kill()
+                await spy.wait()
+
+
+async def _rounds(
+    targets: list[Target],
+    stub: Child,
+    sessions: dict[str, aiohttp.ClientSession],
+    results: Results,
+    args: argparse.Namespace,
+) -> None:
+    for round_no in range(args.rounds):
+        shift = round_no % len(targets)  # rotate the order: slow drift of the machine hits all alike
+        for target in targets[shift:] + targets[:shift]:
+            for kind in KINDS:
+                stream = kind == "stream"
+                count = args.requests if not stream else max(args.requests // 4, 1)
+                phase = await run_phase(sessions[target.name], target, stub, stream=stream, count=count,
+                                        concurrency=args.concurrency,
+                                        max_seconds=args.phase_seconds)  # fmt: skip
+                results.add(target.name, kind, phase)
+                print(f"  round {round_no + 1} {target.name:<8} {kind:<6} {phase.requests:>6} req "
+                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req  "
+                      f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
+                      f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -505,6 +542,11 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "",
         "Notes:",
         "",
+        *(
+            ["- **This run sampled kvgate with py-spy**: its figures are inflated; do not compare them."]
+            if args.py_spy
+            else []
+        ),
         f"- Idle background CPU of each proxy (ms of CPU per second, measured before the rounds): {idle}. "
         "kvgate polls its replicas and reconciles Redis every second; that share is included in the figures "
         "above (it is small next to a phase's CPU).",
@@ -560,9 +602,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--phase-seconds", type=float, default=180.0, help="time bound of one phase")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle window for background CPU")
     parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
+    parser.add_argument("--py-spy", type=Path, metavar="FILE", help="also sample kvgate with py-spy in the "
+                        "rounds (raw stacks to FILE, summary printed); perturbs the figures")  # fmt: skip
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--requests, --rounds and --concurrency must be positive")
+    if args.py_spy is not None:
+        args.py_spy = args.py_spy.resolve()
     return args
 
 
@@ -646,6 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"proxy_overhead: {exc}", file=sys.stderr)
             return 1
     env["load_end"] = _load_average()
+    if args.py_spy is not None and args.py_spy.exists():
+        print(f"\npy-spy profile of kvgate written to {args.py_spy}")
+        print(summarize(args.py_spy.read_text(errors="replace")).render())
     report = render(results, args, env)
     print()
     print(report)

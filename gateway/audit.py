@@ -1,0 +1,255 @@
+"""The coherence audit: the cold-versus-warm experiment, automated, against any deployment.
+
+Per replica, pinned: the same long prompt runs *warm* (the production cache namespace, twice, so the
+second is a hit) and *cold* (a fresh namespace, several times, to calibrate the tolerance: GPU kernels are
+not bit-exact; the CPU build is). Verdicts per replica:
+
+- ``nondeterministic``: cold runs disagree with each other; nothing else can be judged.
+- ``replica-mismatch``: this replica serves another version than the reference (its digest or its cold
+  answer differs): mixed versions across replicas, a separate cause from cache identity.
+- ``incoherent-on-warm-hit``: a warm request that hit the prefix cache disagrees with cold: the cache
+  identity or invalidation fault kvgate exists to prevent.
+- ``coherent``.
+
+Targets: through kvgate (``GatewayTarget``: pinning and a cold namespace via the admin token) or a raw
+server (``DirectTarget``: ``cache_salt`` for cold, no kvgate involved).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from gateway.errors import InvalidAdapter
+from gateway.experiment import Sample, complete, fresh_salt, long_prompt
+from gateway.identity import scan_adapter, tree_digest
+from gateway.proxy import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER
+
+COHERENT = "coherent"
+INCOHERENT = "incoherent-on-warm-hit"
+MISMATCH = "replica-mismatch"
+NONDETERMINISTIC = "nondeterministic"
+TOLERANCE_MARGIN = 2.0  # tolerance = margin x the largest disagreement among cold runs
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Everything one replica answered for one audit round."""
+
+    replica: str
+    served: str  # the name the replica served (versioned name through kvgate)
+    digest: str | None  # adapter artifact digest, when known
+    loaded_root: str | None  # what the replica's /v1/models lists for that name
+    block_key: str | None  # the gateway's first prefix block key
+    warm: tuple[Sample, ...]
+    cold: tuple[Sample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    replica: str
+    verdict: str
+    detail: str
+    tolerance: float
+    cached_tokens: int
+    observation: Observation = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["observation"] = asdict(self.observation)
+        return doc
+
+
+def judge(observations: Sequence[Observation], expected_digest: str | None = None) -> list[Verdict]:
+    """Verdicts for one round. The reference is ``expected_digest``, else the most common digest."""
+    digests = [o.digest for o in observations if o.digest]
+    reference_digest = expected_digest or (Counter(digests).most_common(1)[0][0] if digests else None)
+    reference = next((o for o in observations if o.digest == reference_digest), observations[0])
+    return [_judge_one(o, reference, reference_digest) for o in observations]
+
+
+def _judge_one(obs: Observation, reference: Observation, reference_digest: str | None) -> Verdict:
+    first_cold = obs.cold[0]
+    spread = max((first_cold.max_logprob_diff(other) for other in obs.cold[1:]), default=0.0)
+    tolerance = spread * TOLERANCE_MARGIN
+    hit = max((w.cached_tokens for w in obs.warm), default=0)
+
+    def verdict(name: str, detail: str) -> Verdict:
+        return Verdict(obs.replica, name, detail, tolerance, hit, obs)
+
+    if any(c.text != first_cold.text for c in obs.cold[1:]):
+        return verdict(NONDETERMINISTIC, "cold runs disagree with each other")
+    if reference_digest and obs.digest and obs.digest != reference_digest:
+        return verdict(MISMATCH, f"serves digest {obs.digest[:16]}, reference is {reference_digest[:16]}")
+    if obs is not reference and not first_cold.agrees_with(reference.cold[0], tolerance):
+        return verdict(MISMATCH, f"cold answer differs from reference replica {reference.replica}")
+    for warm in obs.warm:
+        if warm.cached_tokens and not warm.agrees_with(first_cold, tolerance):
+            diff = warm.max_logprob_diff(first_cold)
+            return verdict(
+                INCOHERENT,
+                f"warm hit ({warm.cached_tokens} cached tokens) differs from cold: max |dlogprob| {diff:.4f}",
+            )
+    detail = (
+        f"warm == cold ({hit} cached tokens)" if hit else "warm == cold, but no warm request hit the cache"
+    )
+    return verdict(COHERENT, detail)
+
+
+class AuditTarget(Protocol):
+    async def replicas(self, http: aiohttp.ClientSession) -> list[str]: ...
+
+    async def observe(
+        self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
+    ) -> Observation: ...
+
+
+@dataclass(frozen=True)
+class DirectTarget:
+    """A raw OpenAI-compatible server (vLLM): cold runs use a fresh ``cache_salt``."""
+
+    urls: tuple[str, ...]
+    model: str
+
+    async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
+        return list(self.urls)
+
+    async def observe(
+        self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
+    ) -> Observation:
+        warm = [await complete(http, replica, self.model, prompt) for _ in range(2)]
+        cold = [
+            await complete(http, replica, self.model, prompt, cache_salt=fresh_salt()) for _ in range(colds)
+        ]
+        root = (await _listed(http, replica)).get(self.model)
+        return Observation(replica, self.model, _digest_of(root), root, None, tuple(warm), tuple(cold))
+
+
+@dataclass(frozen=True)
+class GatewayTarget:
+    """A logical ID through kvgate: pinned per replica, cold via the admin-only fresh namespace."""
+
+    gateway: str
+    logical_id: str
+    admin_token: str
+
+    async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
+        return [r["url"] for r in await self._replica_view(http) if r["healthy"]]
+
+    async def observe(
+        self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
+    ) -> Observation:
+        pin = {PIN_HEADER: replica, ADMIN_TOKEN_HEADER: self.admin_token}
+        warm = [await complete(http, self.gateway, self.logical_id, prompt, headers=pin) for _ in range(2)]
+        cold_headers = {**pin, NAMESPACE_HEADER: "cold"}
+        cold = [
+            await complete(http, self.gateway, self.logical_id, prompt, headers=cold_headers)
+            for _ in range(colds)
+        ]
+        evidence = warm[-1].evidence
+        served = evidence.get("x-kvgate-version", self.logical_id)
+        view = {r["url"]: r for r in await self._replica_view(http)}
+        root = view.get(replica, {}).get("adapters", {}).get(served)
+        return Observation(
+            replica, served, evidence.get("x-kvgate-digest"), root, evidence.get("x-kvgate-prefix-key"),
+            tuple(warm), tuple(cold),
+        )  # fmt: skip
+
+    async def _replica_view(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        view: list[dict[str, Any]] = (await self.status(http))["replicas"]
+        return view
+
+    async def status(self, http: aiohttp.ClientSession) -> dict[str, Any]:
+        headers = {ADMIN_TOKEN_HEADER: self.admin_token}
+        async with http.get(f"{self.gateway}/kvgate/status", headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(
+                    f"{self.gateway}/kvgate/status answered {response.status}: {await response.text()}"
+                )
+            doc: dict[str, Any] = await response.json()
+            return doc
+
+    async def serves(self, http: aiohttp.ClientSession, digest: str) -> bool:
+        """Whether the gateway's snapshot already serves ``digest`` for the logical ID."""
+        current = (await self.status(http))["versions"].get(self.logical_id, {})
+        return bool(current.get("digest") == digest)
+
+
+async def audit_round(
+    http: aiohttp.ClientSession,
+    target: AuditTarget,
+    *,
+    colds: int = 2,
+    expected_digest: str | None = None,
+    prompt: str | None = None,
+) -> list[Verdict]:
+    prompt = prompt or long_prompt()
+    replicas = await target.replicas(http)
+    if not replicas:
+        raise RuntimeError("no healthy replica to audit")
+    observations = [await target.observe(http, replica, prompt, colds) for replica in replicas]
+    return judge(observations, expected_digest)
+
+
+async def audit_before_after(
+    http: aiohttp.ClientSession,
+    target: AuditTarget,
+    update: Callable[[], Awaitable[str | None]],
+    *,
+    colds: int = 2,
+) -> tuple[list[Verdict], list[Verdict]]:
+    """Audit (which warms the cache), run ``update`` (it may return the new expected digest), audit again."""
+    before = await audit_round(http, target, colds=colds)
+    expected = await update()
+    after = await audit_round(http, target, colds=colds, expected_digest=expected)
+    return before, after
+
+
+async def run_shell(command: str) -> None:
+    process = await asyncio.create_subprocess_shell(command)
+    if await process.wait() != 0:
+        raise RuntimeError(f"update command failed with exit code {process.returncode}: {command}")
+
+
+def _digest_of(root: str | None) -> str | None:
+    """The artifact digest of a replica's loaded root, when this machine can read it."""
+    if not root:
+        return None
+    try:
+        path = Path(root)
+        return tree_digest(path, scan_adapter(path))
+    except InvalidAdapter:
+        return None
+
+
+async def _listed(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    async with http.get(f"{url}/v1/models") as response:
+        doc = await response.json()
+    return {m["id"]: m.get("root") or "" for m in doc.get("data", []) if m.get("parent")}
+
+
+def render(title: str, verdicts: Sequence[Verdict]) -> str:
+    lines = [title, f"{'REPLICA':<24} {'SERVED':<30} {'DIGEST':<17} {'CACHED':>6} {'TOL':>7}  VERDICT"]
+    for v in verdicts:
+        o = v.observation
+        digest = (o.digest or "?")[:16]
+        lines.append(
+            f"{v.replica.removeprefix('http://'):<24} {o.served:<30} {digest:<17} {v.cached_tokens:>6} "
+            f"{v.tolerance:>7.4f}  {v.verdict}: {v.detail}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rounds: Mapping[str, Sequence[Verdict]]) -> str:
+    return json.dumps({name: [v.to_json() for v in verdicts] for name, verdicts in rounds.items()}, indent=2)
+
+
+def faulty(verdicts: Sequence[Verdict]) -> bool:
+    return any(v.verdict != COHERENT for v in verdicts)
