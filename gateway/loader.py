@@ -96,15 +96,7 @@ class AdapterLoader:
             if replica.serves(version.name, version.path):
                 return
             await self._make_room(replica)
-            try:
-                async with asyncio.timeout(self.load_timeout):
-                    await self.pool.dialect.load(self.pool.session, replica.url, version.name, version.path)
-            except LoadFailed as exc:
-                raise NoEligibleReplica(
-                    f"loading {version.name} on {replica.url} failed: {exc.reason}"
-                ) from exc
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
+            await self._post_load(replica, version)
             log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
             await self.pool.refresh(replica)
             if not replica.serves(version.name, version.path):

@@ -50,9 +50,8 @@ def frame_name(frame: str) -> tuple[str, bool]:
     if match is None:
         return frame.strip(), False
     path, func = match["file"], match["func"]
-    index = path.rfind("/gateway/")
-    if index >= 0 and "site-packages" not in path:
-        return f"{path[index + 1 :]}:{func}", True
+    if "site-packages" not in path and (path.startswith("gateway/") or "/gateway/" in path):
+        return f"{path[path.rfind('gateway/') :]}:{func}", True
     short = "/".join(path.split("/")[-2:])
     return f"{short}:{func}", False
 

@@ -431,7 +431,7 @@ async def _rounds(
     for round_no in range(args.rounds):
         shift = round_no % len(targets)  # rotate the order: slow drift of the machine hits all alike
         for target in targets[shift:] + targets[:shift]:
-            for kind in KINDS:
+            for kind in args.kinds:
                 stream = kind == "stream"
                 count = args.requests if not stream else max(args.requests // 4, 1)
                 phase = await run_phase(sessions[target.name], target, stub, stream=stream, count=count,
@@ -525,6 +525,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
 
     def verdict(value: float, kind: str) -> str:
         goal = TARGET_US[kind]
+        if value != value:  # NaN: this kind was not measured
+            return "not measured"
         return f"{value:,.0f} µs vs ≤ {goal:,.0f} µs: " + (
             "within target" if value <= goal else "**over target**"
         )
@@ -561,7 +563,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "- nginx runs with `worker_processes 1` (one core, like the Python proxies); master + worker CPU "
         "summed.",
         "",
-        f"Machine: {env['machine']}. Load average at start / end: {env['load_start']} / {env['load_end']}.",
+        f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end: "
+        f"{env['load_start']} / {env['load_end']}.",
         "",
     ]
     return "\n".join(lines)
@@ -580,6 +583,20 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "?"
+
+
+def _revision() -> str:
+    """The commit measured, and whether gateway/ had uncommitted changes (others edit it in parallel)."""
+
+    def git(*argv: str) -> str:
+        try:
+            done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    return head + (" + uncommitted changes in gateway/" if git("status", "--porcelain", "gateway") else "")
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -601,6 +618,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=100, help="unmeasured requests per target and kind")
     parser.add_argument("--phase-seconds", type=float, default=180.0, help="time bound of one phase")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle window for background CPU")
+    parser.add_argument("--kinds", default="plain,stream", help="which phases to measure: plain, stream "
+                        "or both, comma-separated (default both)")  # fmt: skip
     parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
     parser.add_argument("--py-spy", type=Path, metavar="FILE", help="also sample kvgate with py-spy in the "
                         "rounds (raw stacks to FILE, summary printed); perturbs the figures")  # fmt: skip
@@ -609,6 +628,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--requests, --rounds and --concurrency must be positive")
     if args.py_spy is not None:
         args.py_spy = args.py_spy.resolve()
+    args.kinds = tuple(kind for kind in KINDS if kind in args.kinds.split(","))
+    if not args.kinds:
+        parser.error(f"--kinds takes {' and/or '.join(KINDS)}")
     return args
 
 
@@ -635,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{_cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"aiohttp {aiohttp.__version__}",
         "load_start": _load_average(),
+        "revision": _revision(),
         "label:direct": "direct → stub (no proxy)",
         "label:kvgate": "**kvgate** (`kvgate serve`)",
         "label:naive": "naive aiohttp proxy",

@@ -22,6 +22,7 @@ class StubState:
     base_root: str = "/models/tiny"
     adapters: dict[str, str] = field(default_factory=dict)
     received: list[dict[str, Any]] = field(default_factory=list)
+    received_headers: list[dict[str, str]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     fail_loads: str | None = None
     chunks: int = 4
@@ -71,6 +72,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[STUB]
     body = await request.json()
     state.received.append(body)
+    state.received_headers.append(dict(request.headers))
     model = body["model"]
     if model != state.base and model not in state.adapters:
         msg = f"The model `{model}` does not exist."

@@ -6,17 +6,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from redis.asyncio import Redis
 
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.metrics import Metrics
 from gateway.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess, VllmReplicaSpec, free_port, start_replicas
+from tests.stub_backend import run_app
 
 
 def _required_path(variable: str) -> Path:
@@ -62,6 +74,58 @@ async def session_redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+@dataclass(frozen=True)
+class Gateway:
+    url: str
+    store: Path
+    spans: InMemorySpanExporter
+    metrics: Metrics
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def gateway(
+    vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_path: Path
+) -> AsyncIterator[Gateway]:
+    """kvgate in this process, in front of both real replicas, with an in-memory span exporter."""
+    settings = Settings(
+        replicas=[replica.url for replica in vllm_replicas],
+        store=tmp_path / "store",
+        reconcile_interval=0.2,
+        poll_interval=0.3,
+        drain_grace=1.0,
+        admin_token=ADMIN_TOKEN,
+    )
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    metrics = Metrics()
+    app = build_app(settings, session_redis, tracer_provider=provider, metrics=metrics)
+    async with run_app(app) as url:
+        yield Gateway(url, settings.store, spans, metrics)
+    provider.shutdown()
+
+
+async def run_kvgate(*args: str, redis_url: str, store: Path) -> tuple[int, str, str]:
+    """The real CLI in a child process, without blocking this event loop (the gateway keeps serving)."""
+    command = [sys.executable, "-m", "gateway.cli", *args, "--redis-url", redis_url, "--store", str(store)]
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=240)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def kvgate_json(*args: str, redis_url: str, store: Path) -> dict[str, Any]:
+    code, out, err = await run_kvgate(*args, "--json", redis_url=redis_url, store=store)
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> str:

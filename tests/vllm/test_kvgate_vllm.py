@@ -8,83 +8,38 @@ response after the switch carries v1. v1 is unloaded once the drain grace has pa
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-import pytest_asyncio
-from redis.asyncio import Redis
 
-from gateway.app import build_app
-from gateway.config import Settings
 from gateway.experiment import Sample, complete, fresh_salt, long_prompt
 from gateway.proxy import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.stub_backend import run_app
-from tests.vllm.conftest import listed
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json, listed
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-TOKEN = "test-admin-token"
 LOGICAL = "tenant-42"
 
 
-def kvgate(*args: str, redis_url: str, store: Path) -> dict[str, Any]:
-    """Run the real CLI, as an operator would."""
-    command = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        *args,
-        "--redis-url",
-        redis_url,
-        "--store",
-        str(store),
-        "--json",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def gateway(
-    vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_path: Path
-) -> AsyncIterator[tuple[str, Path]]:
-    settings = Settings(
-        replicas=[replica.url for replica in vllm_replicas],
-        store=tmp_path / "store",
-        reconcile_interval=0.2,
-        poll_interval=0.3,
-        drain_grace=1.0,
-        admin_token=TOKEN,
-    )
-    async with run_app(build_app(settings, session_redis)) as url:
-        yield url, settings.store
-
-
 def pin(replica: VllmProcess) -> dict[str, str]:
-    return {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: TOKEN}
+    return {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
 
 
 async def test_new_version_is_coherent_on_every_replica(
-    gateway: tuple[str, Path],
+    gateway: Gateway,
     vllm_replicas: list[VllmProcess],
     redis_server: EmbeddedRedis,
     http: aiohttp.ClientSession,
     fixture_dir: Path,
 ) -> None:
-    url, store = gateway
+    url, store, redis_url = gateway.url, gateway.store, redis_server.url
     prompt = long_prompt()
-    v1 = kvgate(
-        "publish", LOGICAL, str(fixture_dir / "adapters" / "v1"), redis_url=redis_server.url, store=store
+    v1 = await kvgate_json(
+        "publish", LOGICAL, str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
     await asyncio.sleep(0.5)
 
@@ -99,8 +54,8 @@ async def test_new_version_is_coherent_on_every_replica(
     assert before[1].cached_tokens >= 384
     assert before[3].cached_tokens >= 384
 
-    v2 = kvgate(
-        "publish", LOGICAL, str(fixture_dir / "adapters" / "v2"), redis_url=redis_server.url, store=store
+    v2 = await kvgate_json(
+        "publish", LOGICAL, str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
     )
     assert (v2["epoch"], v2["changed"]) == (2, True)
     assert v2["path"].startswith(str(store))
@@ -131,7 +86,7 @@ async def test_new_version_is_coherent_on_every_replica(
         await asyncio.sleep(0.25)
     assert all(v1["name"] not in names and v2["name"] in names for names in loaded)
 
-    status = kvgate("status", redis_url=redis_server.url, store=store)
+    status = await kvgate_json("status", redis_url=redis_url, store=store)
     (row,) = status["logical_ids"]
     assert (row["logical_id"], row["digest"], row["epoch"]) == (LOGICAL, v2["digest"], 2)
     assert row["loaded_on"] == sorted(replica.url for replica in vllm_replicas)

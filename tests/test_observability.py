@@ -1,0 +1,51 @@
+"""Trace context and metrics on the request path, against the fast stub (edge cases of observability)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from redis.asyncio import Redis
+
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.epoch_table import EpochTable
+from gateway.publish import publish_adapter
+from gateway.store import AdapterStore
+from tests.conftest import MakeAdapter
+from tests.stub_backend import StubState, build_stub, run_app
+
+
+async def test_traceparent_is_propagated_and_spans_cover_load(
+    redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    stub = StubState()
+    async with run_app(build_stub(stub)) as stub_url:
+        settings = Settings(replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1)
+        async with run_app(build_app(settings, redis, tracer_provider=provider)) as url:
+            body = {"model": "tenant-42", "prompt": "p" * 600, "max_tokens": 1}
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{url}/v1/completions", json=body) as response,
+            ):
+                assert response.status == 200
+                prefix_key = response.headers["x-kvgate-prefix-key"]
+    (proxy_span,) = [s for s in spans.get_finished_spans() if s.name == "kvgate.proxy"]
+    assert proxy_span.context is not None
+    trace_id = format(proxy_span.context.trace_id, "032x")
+    traceparent = stub.received_headers[-1]["traceparent"]
+    assert traceparent.split("-")[1] == trace_id
+    attributes = dict(proxy_span.attributes or {})
+    assert attributes["kvgate.routing.decision"] == "loaded"
+    assert attributes["kvgate.prefix.block_key"] == prefix_key
+    names = {s.name for s in spans.get_finished_spans()}
+    assert {"kvgate.proxy", "kvgate.load"} <= names
+    provider.shutdown()

@@ -1,0 +1,73 @@
+"""Every request leaves evidence: a span with the effective model's identity, and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.experiment import long_prompt
+from gateway.redis_server import EmbeddedRedis
+from tests.vllm.conftest import Gateway, kvgate_json
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_spans_and_metrics_after_real_traffic(
+    gateway: Gateway, redis_server: EmbeddedRedis, fixture_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    published = await kvgate_json(
+        "publish",
+        "tenant-9",
+        str(fixture_dir / "adapters" / "v1"),
+        redis_url=redis_server.url,
+        store=gateway.store,
+    )
+    await asyncio.sleep(0.5)
+    gateway.spans.clear()
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        for _ in range(2):  # the second request is warm: routed by prefix, served from the cache
+            await client.completions.create(
+                model="tenant-9", prompt=long_prompt(), max_tokens=2, temperature=0
+            )
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nobody", prompt="x")
+
+    spans = [s for s in gateway.spans.get_finished_spans() if s.name == "kvgate.proxy"]
+    assert len(spans) == 3
+    warm = dict(spans[1].attributes or {})
+    assert warm["gen_ai.request.model"] == "tenant-9"
+    assert warm["gen_ai.operation.name"] == "text_completion"
+    assert warm["kvgate.version.name"] == published["name"]
+    assert warm["kvgate.version.digest"] == published["digest"]
+    assert warm["kvgate.epoch"] == 1
+    assert warm["kvgate.base_model"] == "base"
+    assert warm["kvgate.replica.loaded_root"] == published["path"]
+    assert warm["kvgate.routing.decision"] == "prefix"
+    assert warm["kvgate.prefix.predicted_hit"] is True
+    assert isinstance(warm["kvgate.backend.cached_tokens"], int)
+    assert warm["kvgate.backend.cached_tokens"] >= 384
+    assert isinstance(warm["kvgate.prefix.block_key"], str)
+    loads = [s for s in gateway.spans.get_finished_spans() if s.name == "kvgate.load"]
+    assert [dict(s.attributes or {})["kvgate.version.name"] for s in loads] == [published["name"]]
+    assert spans[2].status.status_code.name == "ERROR"
+
+    async with http.get(f"{gateway.url}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    assert 'kvgate_requests_total{logical_id="tenant-9",outcome="200"} 2.0' in text
+    assert 'kvgate_requests_total{logical_id="unknown",outcome="not_found_error"} 1.0' in text
+    assert 'kvgate_routing_decisions_total{decision="prefix"}' in text
+    assert 'kvgate_adapter_loads_total{outcome="loaded"' in text
+    assert 'kvgate_backend_cached_tokens_total{logical_id="tenant-9"}' in text
+    assert "kvgate_time_to_first_byte_seconds_bucket" in text
+    assert "kvgate_snapshot_staleness_seconds" in text
+    cached = [
+        line
+        for line in text.splitlines()
+        if line.startswith('kvgate_backend_cached_tokens_total{logical_id="tenant-9"}')
+    ]
+    assert float(cached[0].split()[-1]) >= 384
