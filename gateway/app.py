@@ -17,12 +17,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
-from gateway.backends import VllmDialect
+from gateway.backends import dialect_for
+from gateway.canary import Canary
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BodyTooLarge, KvgateError
 from gateway.loader import AdapterLoader
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.periodic import periodically
 from gateway.prefix import PrefixIndex
 from gateway.proxy import Proxy, ProxyOptions
 from gateway.replicas import ReplicaPool
@@ -95,6 +97,7 @@ def build_app(
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_replica_poller)
     app.cleanup_ctx.append(_sweeper)
+    app.cleanup_ctx.append(_canary)
 
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY].handle(request)
@@ -132,7 +135,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=session_timeout(settings)) as session:
-        dialect = VllmDialect()
+        dialect = dialect_for(settings.backend)
         with_root = settings.base_model_root is not None
         app[POOL] = ReplicaPool(settings.replicas, dialect, session, base_with_root=with_root)
         app[LOADER] = AdapterLoader(
@@ -183,6 +186,19 @@ async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     async with _background(app[LOADER].sweep_forever(app[SETTINGS].poll_interval)):
+        yield
+
+
+async def _canary(app: web.Application) -> AsyncIterator[None]:
+    interval = app[SETTINGS].canary_interval
+    if not interval:
+        yield
+        return
+    proxy = app[PROXY]
+    canary = Canary(
+        app[SNAPSHOT], app[POOL], proxy.activity, app[METRICS], base_with_root=proxy.options.base_with_root
+    )
+    async with _background(periodically(interval, canary.run_round)):
         yield
 
 

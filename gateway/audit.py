@@ -181,6 +181,14 @@ class GatewayTarget:
         current = (await self.status(http))["versions"].get(self.logical_id, {})
         return bool(current.get("digest") == digest)
 
+    async def until_serving(self, http: aiohttp.ClientSession, digest: str, *, within: float = 15.0) -> None:
+        """Wait for a publish to reach the gateway's snapshot (a hint, or at worst a reconcile)."""
+        for _ in range(int(within / 0.05)):
+            if await self.serves(http, digest):
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"{self.gateway} did not switch {self.logical_id} to {digest[:16]} in {within} s")
+
 
 async def audit_round(
     http: aiohttp.ClientSession,

@@ -34,6 +34,7 @@ from gateway.audit import (
     run_shell,
 )
 from gateway.audit import to_json as audit_json
+from gateway.backends import DIALECTS
 from gateway.config import Settings, load_settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BadRequest, KvgateError
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
     serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
+    serve.add_argument("--backend", choices=DIALECTS, help="the replicas' server kind (default vllm)")
+    serve.add_argument("--canary-interval", type=float, help="seconds between canary audits (0: off)")
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
     _common(publish)
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas",
-             "admin_token")  # fmt: skip
+             "admin_token", "backend", "canary_interval")  # fmt: skip
     overrides = {name: getattr(args, name, None) for name in names}
     env_config = os.environ.get("KVGATE_CONFIG")
     return load_settings(overrides, args.config or (Path(env_config) if env_config else None))
@@ -255,11 +258,8 @@ def _audit_plan(args: argparse.Namespace, settings: Settings) -> tuple[AuditTarg
             done = await publish_adapter(
                 table, AdapterStore(settings.store), target.logical_id, args.publish, settings.base_identity
             )
-        for _ in range(int((settings.reconcile_interval * 10 + 5) / 0.1)):  # until the gateway serves it
-            if await target.serves(http, done.digest):
-                return done.digest
-            await asyncio.sleep(0.1)
-        raise KvgateError(f"the gateway did not switch to {done.name} in time")
+        await target.until_serving(http, done.digest, within=settings.reconcile_interval * 10 + 5)
+        return done.digest
 
     return target, publish
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".kvgate")
     redis_url: str | None = None
 
+    backend: Literal["vllm", "sglang", "generic"] = "vllm"
+    """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
     base_model: str = "base"
     """The served model name of the pool's base model: what clients send for base requests."""
     base_model_root: str | None = None

@@ -19,10 +19,9 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.app import build_app
+from gateway.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
-from gateway.experiment import Sample, complete, fresh_salt, long_prompt
-from gateway.proxy import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
 from gateway.store import AdapterStore
@@ -35,14 +34,11 @@ DEMO_TOKEN = "demo-admin-token"
 @dataclass(frozen=True)
 class Row:
     path: str
-    replica: str
-    served: str
-    warm: Sample
-    cold: Sample
+    verdict: Verdict
 
     @property
     def coherent(self) -> bool:
-        return self.warm.agrees_with(self.cold)
+        return self.verdict.verdict == COHERENT
 
 
 async def run_demo(settings: Settings, *, vllm_python: Path, fixture_dir: Path) -> bool:
@@ -63,37 +59,38 @@ async def run_demo(settings: Settings, *, vllm_python: Path, fixture_dir: Path) 
                 cured = await through_kvgate(http, replicas, redis_server.url, fixture_dir, work)
         finally:
             await asyncio.gather(*(replica.stop() for replica in replicas))
-    print_table([direct, *cured])
-    showed = not direct.coherent and all(row.coherent for row in cured)
+    print_table([*direct, *cured])
+    showed = not any(row.coherent for row in direct) and all(row.coherent for row in cured)
     print("\nresult:", "the fault on the direct path, coherent through kvgate" if showed else "UNEXPECTED")
     return showed
 
 
-async def direct_inplace_reload(http: aiohttp.ClientSession, url: str, fixture_dir: Path, work: Path) -> Row:
-    """vLLM alone: same name, same path, new bytes, reloaded in place."""
+async def direct_inplace_reload(
+    http: aiohttp.ClientSession, url: str, fixture_dir: Path, work: Path
+) -> list[Row]:
+    """vLLM alone: same name, same path, new bytes, reloaded in place; audited before and after."""
     mutable = work / "mutable" / LOGICAL_ID
     shutil.copytree(fixture_dir / "adapters" / "v1", mutable)
     await _post(http, f"{url}/v1/load_lora_adapter", {"lora_name": LOGICAL_ID, "lora_path": str(mutable)})
-    prompt = long_prompt()
-    for _ in range(2):
-        await complete(http, url, LOGICAL_ID, prompt)  # v1 fills the prefix cache
-    for item in (fixture_dir / "adapters" / "v2").iterdir():
-        shutil.copyfile(item, mutable / item.name)  # publish v2 "in place"
-    await _post(
-        http,
-        f"{url}/v1/load_lora_adapter",
-        {"lora_name": LOGICAL_ID, "lora_path": str(mutable), "load_inplace": True},
-    )
-    warm = await complete(http, url, LOGICAL_ID, prompt)
-    cold = await complete(http, url, LOGICAL_ID, prompt, cache_salt=fresh_salt())
+
+    async def reload_in_place() -> str | None:
+        for item in (fixture_dir / "adapters" / "v2").iterdir():
+            shutil.copyfile(item, mutable / item.name)
+        reload = {"lora_name": LOGICAL_ID, "lora_path": str(mutable), "load_inplace": True}
+        await _post(http, f"{url}/v1/load_lora_adapter", reload)
+        return None
+
+    target = DirectTarget((url,), LOGICAL_ID)
+    _, after = await audit_before_after(http, target, reload_in_place)
     await _post(http, f"{url}/v1/unload_lora_adapter", {"lora_name": LOGICAL_ID})
-    return Row("direct, in-place reload", url, f"{LOGICAL_ID} (same name and path)", warm, cold)
+    print("\n" + render("direct audit, after the in-place reload:", after), flush=True)
+    return [Row("direct, in-place reload", verdict) for verdict in after]
 
 
 async def through_kvgate(
     http: aiohttp.ClientSession, replicas: list[VllmProcess], redis_url: str, fixture_dir: Path, work: Path
 ) -> list[Row]:
-    """The same steps through kvgate: publish v1, warm every replica, publish v2, compare."""
+    """The same steps through kvgate: publish v1, audit (warms every replica), publish v2, audit."""
     store = AdapterStore(work / "store")
     settings = Settings(
         replicas=[replica.url for replica in replicas],
@@ -110,38 +107,28 @@ async def through_kvgate(
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    gateway = f"http://127.0.0.1:{port}"
-    prompt = long_prompt()
-    rows = []
+    target = GatewayTarget(f"http://127.0.0.1:{port}", LOGICAL_ID, DEMO_TOKEN)
+
+    async def publish_v2() -> str | None:
+        v2 = await publish_adapter(
+            table, store, LOGICAL_ID, fixture_dir / "adapters" / "v2", settings.base_identity
+        )
+        print(f"published v2: {v2.name} (epoch {v2.change.epoch}, {v2.path})", flush=True)
+        await target.until_serving(http, v2.digest)
+        return v2.digest
+
     try:
         v1 = await publish_adapter(
             table, store, LOGICAL_ID, fixture_dir / "adapters" / "v1", settings.base_identity
         )
-        print(f"published v1: {v1.name} (digest {v1.digest[:16]}..., epoch {v1.change.epoch})", flush=True)
-        await asyncio.sleep(0.5)
-        for replica in replicas:
-            for _ in range(2):
-                await complete(http, gateway, LOGICAL_ID, prompt, headers=_pin(replica.url))
-        v2 = await publish_adapter(
-            table, store, LOGICAL_ID, fixture_dir / "adapters" / "v2", settings.base_identity
-        )
-        print(f"published v2: {v2.name} (digest {v2.digest[:16]}..., epoch {v2.change.epoch})", flush=True)
-        await asyncio.sleep(0.5)  # the hint reaches kvgate's snapshot
-        for replica in replicas:
-            await complete(http, gateway, LOGICAL_ID, prompt, headers=_pin(replica.url))  # loads v2 there
-            warm = await complete(http, gateway, LOGICAL_ID, prompt, headers=_pin(replica.url))
-            served = warm.evidence.get("x-kvgate-version", "?")
-            cold = await complete(http, replica.url, served, prompt, cache_salt=fresh_salt())
-            epoch = warm.evidence.get("x-kvgate-epoch")
-            rows.append(Row("through kvgate", replica.url, f"{served} epoch {epoch}", warm, cold))
+        print(f"published v1: {v1.name} (epoch {v1.change.epoch}, {v1.path})", flush=True)
+        await target.until_serving(http, v1.digest)
+        _, after = await audit_before_after(http, target, publish_v2)
     finally:
         await runner.cleanup()
         await redis.aclose()
-    return rows
-
-
-def _pin(url: str) -> dict[str, str]:
-    return {PIN_HEADER: url, ADMIN_TOKEN_HEADER: DEMO_TOKEN}
+    print("\n" + render("audit through kvgate, after publishing v2:", after), flush=True)
+    return [Row("through kvgate", verdict) for verdict in after]
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> None:
@@ -152,16 +139,18 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, object]) 
 
 def print_table(rows: list[Row]) -> None:
     header = (
-        f"{'PATH':<24} {'REPLICA':<23} {'SERVED':<36} {'CACHED':>6}  {'WARM':<26} {'COLD':<26} WARM==COLD"
+        f"{'PATH':<24} {'REPLICA':<16} {'SERVED':<27} {'CACHED':>6}  {'WARM':<22} {'COLD':<22} WARM==COLD"
     )
     print()
     print(header)
     print("-" * len(header))
     for row in rows:
-        verdict = "yes" if row.coherent else f"NO (max |dlogprob| {row.warm.max_logprob_diff(row.cold):.3f})"
+        obs = row.verdict.observation
+        warm, cold = obs.warm[-1], obs.cold[0]
+        same = "yes" if warm.agrees_with(cold) else f"NO (max |dlogprob| {warm.max_logprob_diff(cold):.3f})"
         print(
-            f"{row.path:<24} {row.replica.removeprefix('http://'):<16} {row.served:<35} "
-            f"{row.warm.cached_tokens:>6}  {_short(row.warm.text):<22} {_short(row.cold.text):<22} {verdict}"
+            f"{row.path:<24} {row.verdict.replica.removeprefix('http://'):<16} {obs.served:<27} "
+            f"{warm.cached_tokens:>6}  {_short(warm.text):<22} {_short(cold.text):<22} {same}"
         )
 
 

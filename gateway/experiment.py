@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-KVGATE_HEADERS = ("x-kvgate-version", "x-kvgate-digest", "x-kvgate-epoch", "x-kvgate-replica")
+KVGATE_HEADERS = (
+    "x-kvgate-version",
+    "x-kvgate-digest",
+    "x-kvgate-epoch",
+    "x-kvgate-replica",
+    "x-kvgate-prefix-key",
+)
 
 _SENTENCES = (
     "The harbor master counted the boats that came in with the evening tide.",

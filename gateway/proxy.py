@@ -109,15 +109,19 @@ class Proxy:
         self.index = index
         self.metrics = metrics
         self.tracer = tracer
+        self.activity: dict[str, float] = {}
+        """Logical ID -> monotonic time of its last request (the canary audits active IDs)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+        started = time.monotonic()
         label, outcome = UNKNOWN, "error"
         with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
             try:
                 parsed = await self.parse(request)
                 target = self.resolve(parsed)
                 label = target.logical_id
+                if target.version is not None:
+                    self.activity[label] = started
                 _describe_target(span, request, target, self.dialect.name)
                 choice = await self.schedule(target, parsed.pin)
                 _describe_choice(span, choice, target)
@@ -131,7 +135,7 @@ class Proxy:
                 raise
             finally:
                 self.metrics.requests.labels(label, outcome).inc()
-                self.metrics.latency.labels(label).observe(time.perf_counter() - started)
+                self.metrics.latency.labels(label).observe(time.monotonic() - started)
 
     # --- stage 1: parse --------------------------------------------------------------------------
 
@@ -245,7 +249,7 @@ class Proxy:
                 async with self.pool.session.post(
                     replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
                 ) as upstream:
-                    self.metrics.ttfb.labels(target.logical_id).observe(time.perf_counter() - started)
+                    self.metrics.ttfb.labels(target.logical_id).observe(time.monotonic() - started)
                     if parsed.stream and upstream.content_type == "text/event-stream":
                         response = await _relay_stream(
                             request, upstream, rewrite, usage, _evidence(target, replica)

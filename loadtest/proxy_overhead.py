@@ -88,8 +88,13 @@ class Child:
             return [self.process.pid]
         return [self.process.pid, *_children_of(self.process.pid)]
 
+    def cpu_times(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of the process (nginx: master and workers)."""
+        times = [_cpu_times(pid) for pid in self.pids()]
+        return sum(u for u, _ in times), sum(s for _, s in times)
+
     def cpu_seconds(self) -> float:
-        return sum(_cpu_seconds(pid) for pid in self.pids())
+        return sum(self.cpu_times())
 
     def tail(self, limit: int = 3000) -> str:
         try:
@@ -109,14 +114,14 @@ class Child:
                 self.process.wait()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), from /proc/<pid>/stat; 0 if it is gone."""
+def _cpu_times(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a whole process (all threads), from /proc/<pid>/stat; zeros if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     fields = stat.rpartition(")")[2].split()  # fields[0] is field 3 (state)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 def _children_of(pid: int) -> list[int]:
@@ -273,12 +278,16 @@ class Phase:
     requests: int
     errors: int
     proxy_cpu: float
+    proxy_sys: float  # the kernel's part of proxy_cpu (socket syscalls, loopback TCP)
     stub_cpu: float
     wall: float
     p50_ms: float
 
     def proxy_us(self) -> float:
         return self.proxy_cpu / max(self.requests, 1) * 1e6
+
+    def proxy_sys_share(self) -> float:
+        return self.proxy_sys / self.proxy_cpu if self.proxy_cpu > 0 else float("nan")
 
     def stub_us(self) -> float:
         return self.stub_cpu / max(self.requests, 1) * 1e6
@@ -343,15 +352,16 @@ async def run_phase(
             latencies.append(time.perf_counter() - started)
             errors += not ok
 
-    proxy_before = target.proxy.cpu_seconds() if target.proxy and measure else 0.0
+    proxy_before = target.proxy.cpu_times() if target.proxy and measure else (0.0, 0.0)
     stub_before = stub.cpu_seconds() if measure else 0.0
     wall_before = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - wall_before
-    proxy_cpu = target.proxy.cpu_seconds() - proxy_before if target.proxy and measure else 0.0
+    proxy_after = target.proxy.cpu_times() if target.proxy and measure else (0.0, 0.0)
+    proxy_user, proxy_sys = proxy_after[0] - proxy_before[0], proxy_after[1] - proxy_before[1]
     stub_cpu = stub.cpu_seconds() - stub_before if measure else 0.0
     p50 = statistics.median(latencies) * 1e3 if latencies else float("nan")
-    return Phase(len(latencies), errors, proxy_cpu, stub_cpu, wall, p50)
+    return Phase(len(latencies), errors, proxy_user + proxy_sys, proxy_sys, stub_cpu, wall, p50)
 
 
 async def idle_rate(target: Target, seconds: float) -> float:
@@ -439,7 +449,8 @@ async def _rounds(
                                         max_seconds=args.phase_seconds)  # fmt: skip
                 results.add(target.name, kind, phase)
                 print(f"  round {round_no + 1} {target.name:<8} {kind:<6} {phase.requests:>6} req "
-                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req  "
+                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req "
+                      f"({100 * phase.proxy_sys_share():3.0f}% sys)  "
                       f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
                       f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
 
@@ -484,26 +495,30 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         f"{args.concurrency}, keep-alive, loopback. CPU = utime+stime delta of the proxy process(es) "
         "over the phase ÷ requests. **Bold: median over rounds**, (min-max) across rounds.",
         "",
-        "| target | proxy CPU µs / request | proxy CPU µs / 32-chunk stream | client p50 ms (req / stream) "
-        "| stub CPU µs (req / stream) | errors |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| target | proxy CPU µs / request | proxy CPU µs / 32-chunk stream | kernel share (req / stream) "
+        "| client p50 ms (req / stream) | stub CPU µs (req / stream) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for target in results.targets:
         plain = results.rounds.get((target.name, "plain"), [])
         stream = results.rounds.get((target.name, "stream"), [])
         if target.proxy is None:
             cpu_plain = cpu_stream = "0 (no proxy)"
+            kernel = "-"
         else:
             cpu_plain = _spread([p.proxy_us() for p in plain])
             cpu_stream = _spread([p.proxy_us() for p in stream])
+            kernel = " / ".join(
+                f"{100 * _median([p.proxy_sys_share() for p in phases]):.0f}%" for phases in (plain, stream)
+            )
         p50 = f"{_median([p.p50_ms for p in plain]):.2f} / {_median([p.p50_ms for p in stream]):.2f}"
         stub = f"{_median([p.stub_us() for p in plain]):.0f} / {_median([p.stub_us() for p in stream]):.0f}"
         errors = sum(p.errors for p in plain + stream)
         total = sum(p.requests for p in plain + stream)
-        lines.append(f"| {env['label:' + target.name]} | {cpu_plain} | {cpu_stream} | {p50} | {stub} "
-                     f"| {errors} / {total} |")  # fmt: skip
+        cells = [env["label:" + target.name], cpu_plain, cpu_stream, kernel, p50, stub, f"{errors} / {total}"]
+        lines.append("| " + " | ".join(cells) + " |")
     if "nginx" not in names:
-        lines.append(f"| nginx `proxy_pass` | {env['nginx']} | - | - | - | - |")
+        lines.append(f"| nginx `proxy_pass` | {env['nginx']} | - | - | - | - | - |")
     lines += [
         "",
         "Ratios, taken within each round (same machine state), then the median over rounds:",
@@ -554,6 +569,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "above (it is small next to a phase's CPU).",
         f"- CPU times come in ticks of {1000 / CLK_TCK:.0f} ms; a phase's total is tens to hundreds of "
         "ticks, so a figure carries a few % of quantisation noise.",
+        "- Kernel share: stime / (utime + stime) of the proxy; on loopback most of it is socket sends "
+        "(the kernel runs the receiver's TCP path in the sender's syscall) and epoll.",
         "- The load generator, the stub and the proxy share the 2 cores: latencies include that contention, "
         "CPU figures do not (each is one process's own time).",
         "- Direct and naive send the versioned name (`"
