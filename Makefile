@@ -7,7 +7,7 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck unit setup clean
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy
 
 setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done
 
@@ -44,6 +44,11 @@ test: setup lint typecheck
 demo: setup
 	$(VENV)/bin/kvgate demo --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--data-dir .kvgate-demo
+
+# Invalidation strategies on real vLLM replicas: writes docs/invalidation.md and docs/invalidation.png.
+loadtest-invalidation: setup
+	$(PY) -m loadtest.invalidation --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--out docs/invalidation.md --plot docs/invalidation.png
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo

@@ -22,6 +22,7 @@ from gateway.canary import Canary
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BodyTooLarge, KvgateError
+from gateway.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
 from gateway.loader import AdapterLoader
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.periodic import periodically
@@ -41,6 +42,7 @@ LOADER = web.AppKey("loader", AdapterLoader)
 PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 TRACER = web.AppKey("tracer", Tracer)
+PURGER = web.AppKey("purger", PurgeAll)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -98,6 +100,7 @@ def build_app(
     app.cleanup_ctx.append(_replica_poller)
     app.cleanup_ctx.append(_sweeper)
     app.cleanup_ctx.append(_canary)
+    app.cleanup_ctx.append(_purger)
 
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY].handle(request)
@@ -131,6 +134,12 @@ def build_app(
     return app
 
 
+def _epoch_changed(app: web.Application, logical_id: str) -> None:
+    app[METRICS].epoch_changes.labels(logical_id).inc()
+    if PURGER in app:
+        app[PURGER].changed(logical_id)
+
+
 async def _components(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60)
@@ -157,6 +166,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             base_with_root=with_root,
             max_body_bytes=settings.max_body_bytes,
             admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
+            namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
@@ -186,6 +196,16 @@ async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     async with _background(app[LOADER].sweep_forever(app[SETTINGS].poll_interval)):
+        yield
+
+
+async def _purger(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    if settings.invalidation != PURGE_ALL:
+        yield
+        return
+    app[PURGER] = PurgeAll(app[POOL], app[SNAPSHOT], app[METRICS], drain_grace=settings.drain_grace)
+    async with _background(app[PURGER].run()):
         yield
 
 

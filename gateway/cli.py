@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
     serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
     serve.add_argument("--backend", choices=DIALECTS, help="the replicas' server kind (default vllm)")
+    serve.add_argument(
+        "--invalidation", choices=("version-scoped", "purge-all"), help="default version-scoped"
+    )
     serve.add_argument("--canary-interval", type=float, help="seconds between canary audits (0: off)")
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
@@ -110,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas",
-             "admin_token", "backend", "canary_interval")  # fmt: skip
+             "admin_token", "backend", "canary_interval", "invalidation")  # fmt: skip
     overrides = {name: getattr(args, name, None) for name in names}
     env_config = os.environ.get("KVGATE_CONFIG")
     return load_settings(overrides, args.config or (Path(env_config) if env_config else None))

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
     """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
+    invalidation: Literal["version-scoped", "purge-all"] = "version-scoped"
+    """version-scoped: versioned names + per-epoch cache salts; purge-all: reset every replica's cache."""
     base_model: str = "base"
     """The served model name of the pool's base model: what clients send for base requests."""
     base_model_root: str | None = None

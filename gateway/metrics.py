@@ -51,6 +51,9 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.purges = Counter(
+            "kvgate_prefix_purges", "purge-all prefix cache resets", ["replica", "outcome"], registry=r
+        )
         self.epoch_changes = Counter(
             "kvgate_epoch_changes", "Epoch changes seen by this kvgate's snapshot", ["logical_id"], registry=r
         )

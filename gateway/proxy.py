@@ -60,6 +60,7 @@ class ProxyOptions:
     base_with_root: bool
     max_body_bytes: int
     admin_token: str | None
+    namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,7 @@ class Proxy:
             body.pop(field, None)
         if target.version is not None:
             body["model"] = target.version.name
-            if target.salt is not None:
+            if target.salt is not None and self.options.namespaces:
                 self.dialect.set_cache_namespace(body, target.salt)
         return json.dumps(body, separators=(",", ":")).encode()
 

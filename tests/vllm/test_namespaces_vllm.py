@@ -1,0 +1,119 @@
+"""Epoch namespaces through ``cache_salt`` on real vLLM: a bump invalidates one tenant, nobody else."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from redis.asyncio import Redis
+
+from gateway.app import build_app
+from gateway.audit import GatewayTarget
+from gateway.config import Settings
+from gateway.experiment import complete, long_prompt
+from gateway.metrics import Metrics
+from gateway.redis_server import EmbeddedRedis
+from gateway.vllm_process import VllmProcess
+from tests.stub_backend import run_app
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_bump_misses_for_that_tenant_only_and_client_salts_are_ignored(
+    gateway: Gateway, redis_server: EmbeddedRedis, fixture_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    redis_url, store = redis_server.url, gateway.store
+    await kvgate_json(
+        "publish", "tenant-a", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    b = await kvgate_json(
+        "publish", "tenant-b", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+    )
+    await GatewayTarget(gateway.url, "tenant-b", ADMIN_TOKEN).until_serving(http, b["digest"])
+    prompt = long_prompt()
+    for tenant in ("tenant-a", "tenant-b"):
+        await complete(http, gateway.url, tenant, prompt)
+        assert (await complete(http, gateway.url, tenant, prompt)).cached_tokens >= 384
+
+    bumped = await kvgate_json("bump", "tenant-a", redis_url=redis_url, store=store)
+    assert bumped["epoch"] == 2
+    for _ in range(100):  # the hint reaches the snapshot
+        after_a = await complete(http, gateway.url, "tenant-a", prompt)
+        if after_a.evidence["x-kvgate-epoch"] == "2":
+            break
+        await asyncio.sleep(0.05)
+    assert after_a.evidence["x-kvgate-epoch"] == "2"
+    assert after_a.cached_tokens == 0, "a bump is a new cache namespace: the next request misses"
+    assert (await complete(http, gateway.url, "tenant-a", prompt)).cached_tokens >= 384
+    assert (await complete(http, gateway.url, "tenant-b", prompt)).cached_tokens >= 384, (
+        "other tenants keep theirs"
+    )
+
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        chosen = await client.completions.create(
+            model="tenant-b",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": "attacker"},
+        )
+    assert chosen.usage is not None
+    assert chosen.usage.prompt_tokens_details is not None
+    # Forwarded, a new salt would have missed; ignored, the request lands in tenant-b's namespace.
+    assert (chosen.usage.prompt_tokens_details.cached_tokens or 0) >= 384
+
+
+async def test_purge_all_resets_every_replica_after_an_update(
+    vllm_replicas: list[VllmProcess],
+    session_redis: Redis,
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    redis_url, store = redis_server.url, tmp_path / "store"
+    await kvgate_json(
+        "publish", "tenant-p", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    await kvgate_json(
+        "publish", "tenant-q", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+    )
+    settings = Settings(
+        replicas=[replica.url for replica in vllm_replicas],
+        store=store,
+        reconcile_interval=0.2,
+        poll_interval=0.3,
+        drain_grace=1.0,
+        invalidation="purge-all",
+    )
+    metrics = Metrics()
+    prompt = long_prompt()
+    async with run_app(build_app(settings, session_redis, metrics=metrics)) as url:
+        for tenant in ("tenant-p", "tenant-q"):
+            await complete(http, url, tenant, prompt)
+            assert (await complete(http, url, tenant, prompt)).cached_tokens >= 384
+        await kvgate_json(
+            "publish", "tenant-q", str(fixture_dir / "adapters" / "v3"), redis_url=redis_url, store=store
+        )
+
+        def purged() -> float:
+            return sum(
+                metrics.registry.get_sample_value(
+                    "kvgate_prefix_purges_total", {"replica": r.url, "outcome": "purged"}
+                )
+                or 0.0
+                for r in vllm_replicas
+            )
+
+        for _ in range(200):
+            if purged() >= len(vllm_replicas):
+                break
+            await asyncio.sleep(0.1)
+        assert purged() >= len(vllm_replicas)
+        unrelated = await complete(http, url, "tenant-p", prompt)
+        assert unrelated.cached_tokens == 0, "purge-all drops every tenant's prefix cache"
+        assert (await complete(http, url, "tenant-p", prompt)).cached_tokens >= 384
