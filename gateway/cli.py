@@ -34,7 +34,7 @@ from gateway.audit import (
     run_shell,
 )
 from gateway.audit import to_json as audit_json
-from gateway.backends import DIALECTS
+from gateway.backends import DIALECTS, dialect_for
 from gateway.config import Settings, load_settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BadRequest, KvgateError
@@ -51,6 +51,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
     parser.add_argument("--base-model", help="served name of the pool's base model")
     parser.add_argument("--base-model-root", help="root path every replica's base must report")
+    parser.add_argument("--backend", choices=DIALECTS, help="the replicas' server kind (default vllm)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -64,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
     serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
-    serve.add_argument("--backend", choices=DIALECTS, help="the replicas' server kind (default vllm)")
     serve.add_argument(
         "--invalidation", choices=("version-scoped", "purge-all"), help="default version-scoped"
     )
@@ -149,6 +149,12 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings) -> None:
            "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
            "base": settings.base_identity}  # fmt: skip
     _emit(args, doc, f"{verb}: {done.logical_id} -> {done.name} epoch {done.change.epoch} ({done.path})")
+    if not dialect_for(settings.backend).runtime_loading:
+        print(
+            f"note: {settings.backend} replicas cannot load adapters at runtime; kvgate routes "
+            f"{done.logical_id} only to replicas started with {done.name} from {done.path}",
+            file=sys.stderr,
+        )
 
 
 async def cmd_rollback(args: argparse.Namespace, settings: Settings) -> None:
