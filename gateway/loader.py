@@ -95,6 +95,9 @@ class AdapterLoader:
             await self.pool.refresh(replica)
             if replica.serves(version.name, version.path):
                 return
+            if version.name in replica.listing.adapters:
+                # Same name from another root (another store, or loaded by hand): never trust it.
+                await self._unload(replica, version.name, reason="wrong-root")
             await self._make_room(replica)
             await self._post_load(replica, version)
             log.info("loaded %s on %s from %s", version.name, replica.url, version.path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -73,7 +74,8 @@ async def streamed_request(
     ttft = None
     usage: dict[str, object] = {}
     async with http.post(f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status != 200:
+            raise RuntimeError(f"{model}: {response.status} {await response.text()}")
         async for line in response.content:
             if not line.startswith(b"data: {"):
                 continue
@@ -222,8 +224,8 @@ async def main_async(args: argparse.Namespace) -> None:
         replicas = await start_replicas(specs)
         try:
             observations: list[Observation] = []
+            store = AdapterStore(work / "store")
             for strategy in STRATEGIES:
-                store = AdapterStore(work / f"store-{strategy}")
                 observations += await run_strategy(
                     strategy,
                     replicas,
@@ -249,6 +251,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", type=Path, required=True)
     parser.add_argument("--fixture-dir", type=Path, required=True)

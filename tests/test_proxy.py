@@ -255,3 +255,15 @@ async def test_stream_broken_midway_ends_with_an_sse_error(gateway: Gateway, pub
     events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
     assert len(events) == 3
     assert json.loads(events[-1])["error"]["type"] == "upstream_error"
+
+
+async def test_same_name_from_another_root_is_replaced(gateway: Gateway, publish: Any) -> None:
+    async with stubs(1) as backends:
+        stub_url, stub = backends[0]
+        v1 = await publish("tenant-42", b"v1")
+        stub.adapters[v1] = "/somewhere/else"  # loaded by hand, or by a pool with another store
+        async with gateway([stub_url]) as url, client(url) as api:
+            raw = await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
+    assert raw.headers["x-kvgate-version"] == v1
+    assert stub.adapters[v1] != "/somewhere/else"
+    assert stub.loads == [v1]
