@@ -10,7 +10,8 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,27 +88,45 @@ class Gateway:
     metrics: Metrics
 
 
+GatewayFactory = Callable[..., AbstractAsyncContextManager[Gateway]]
+
+
+@pytest.fixture
+def make_gateway(vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_path: Path) -> GatewayFactory:
+    """kvgate in this process, in front of both real replicas, with an in-memory span exporter.
+
+    Its store is ``tmp_path / "store"``, so a test can publish before starting it.
+    """
+
+    @asynccontextmanager
+    async def start(**overrides: Any) -> AsyncIterator[Gateway]:
+        defaults: dict[str, Any] = {
+            "replicas": [replica.url for replica in vllm_replicas],
+            "store": tmp_path / "store",
+            "reconcile_interval": 0.2,
+            "poll_interval": 0.3,
+            "drain_grace": 1.0,
+            "admin_token": ADMIN_TOKEN,
+        }
+        settings = Settings(**(defaults | overrides))
+        spans = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(spans))
+        metrics = Metrics()
+        app = build_app(settings, session_redis, tracer_provider=provider, metrics=metrics)
+        try:
+            async with run_app(app) as url:
+                yield Gateway(url, settings.store, spans, metrics)
+        finally:
+            provider.shutdown()
+
+    return start
+
+
 @pytest_asyncio.fixture(loop_scope="session")
-async def gateway(
-    vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_path: Path
-) -> AsyncIterator[Gateway]:
-    """kvgate in this process, in front of both real replicas, with an in-memory span exporter."""
-    settings = Settings(
-        replicas=[replica.url for replica in vllm_replicas],
-        store=tmp_path / "store",
-        reconcile_interval=0.2,
-        poll_interval=0.3,
-        drain_grace=1.0,
-        admin_token=ADMIN_TOKEN,
-    )
-    spans = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(spans))
-    metrics = Metrics()
-    app = build_app(settings, session_redis, tracer_provider=provider, metrics=metrics)
-    async with run_app(app) as url:
-        yield Gateway(url, settings.store, spans, metrics)
-    provider.shutdown()
+async def gateway(make_gateway: GatewayFactory) -> AsyncIterator[Gateway]:
+    async with make_gateway() as started:
+        yield started
 
 
 async def run_kvgate(*args: str, redis_url: str, store: Path) -> tuple[int, str, str]:

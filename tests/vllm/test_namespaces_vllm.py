@@ -8,17 +8,12 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from redis.asyncio import Redis
 
-from gateway.app import build_app
 from gateway.audit import GatewayTarget
-from gateway.config import Settings
 from gateway.experiment import complete, long_prompt
-from gateway.metrics import Metrics
 from gateway.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.stub_backend import run_app
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -68,31 +63,21 @@ async def test_bump_misses_for_that_tenant_only_and_client_salts_are_ignored(
 
 
 async def test_purge_all_resets_every_replica_after_an_update(
+    make_gateway: GatewayFactory,
     vllm_replicas: list[VllmProcess],
-    session_redis: Redis,
     redis_server: EmbeddedRedis,
     fixture_dir: Path,
     tmp_path: Path,
     http: aiohttp.ClientSession,
 ) -> None:
     redis_url, store = redis_server.url, tmp_path / "store"
-    await kvgate_json(
-        "publish", "tenant-p", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
-    )
-    await kvgate_json(
-        "publish", "tenant-q", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
-    )
-    settings = Settings(
-        replicas=[replica.url for replica in vllm_replicas],
-        store=store,
-        reconcile_interval=0.2,
-        poll_interval=0.3,
-        drain_grace=1.0,
-        invalidation="purge-all",
-    )
-    metrics = Metrics()
+    for tenant, adapter in (("tenant-p", "v1"), ("tenant-q", "v2")):
+        await kvgate_json(
+            "publish", tenant, str(fixture_dir / "adapters" / adapter), redis_url=redis_url, store=store
+        )
     prompt = long_prompt()
-    async with run_app(build_app(settings, session_redis, metrics=metrics)) as url:
+    async with make_gateway(invalidation="purge-all") as started:
+        url, metrics = started.url, started.metrics
         for tenant in ("tenant-p", "tenant-q"):
             await complete(http, url, tenant, prompt)
             assert (await complete(http, url, tenant, prompt)).cached_tokens >= 384

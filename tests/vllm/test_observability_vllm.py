@@ -8,16 +8,10 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from redis.asyncio import Redis
 
-from gateway.app import build_app
-from gateway.config import Settings
 from gateway.experiment import complete, long_prompt
-from gateway.metrics import Metrics
 from gateway.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
-from tests.stub_backend import run_app
-from tests.vllm.conftest import Gateway, kvgate_json
+from tests.vllm.conftest import Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -80,38 +74,26 @@ async def test_spans_and_metrics_after_real_traffic(
 
 
 async def test_the_canary_audits_active_logical_ids(
-    vllm_replicas: list[VllmProcess],
-    session_redis: Redis,
+    make_gateway: GatewayFactory,
     redis_server: EmbeddedRedis,
     fixture_dir: Path,
     tmp_path: Path,
     http: aiohttp.ClientSession,
 ) -> None:
-    store = tmp_path / "store"
-    await kvgate_json(
-        "publish", "tenant-c", str(fixture_dir / "adapters" / "v2"), redis_url=redis_server.url, store=store
-    )
-    settings = Settings(
-        replicas=[replica.url for replica in vllm_replicas],
-        store=store,
-        reconcile_interval=0.2,
-        poll_interval=0.3,
-        canary_interval=0.5,
-    )
-    metrics = Metrics()
-    async with run_app(build_app(settings, session_redis, metrics=metrics)) as url:
-        answer = await complete(http, url, "tenant-c", "a short request makes tenant-c active")
+    adapter = str(fixture_dir / "adapters" / "v2")
+    await kvgate_json("publish", "tenant-c", adapter, redis_url=redis_server.url, store=tmp_path / "store")
+    async with make_gateway(canary_interval=0.5) as started:
+        answer = await complete(http, started.url, "tenant-c", "a short request makes tenant-c active")
         labels = {
             "logical_id": "tenant-c",
             "replica": answer.evidence["x-kvgate-replica"],
             "verdict": "coherent",
         }
+        registry = started.metrics.registry
         for _ in range(120):
-            if metrics.registry.get_sample_value("kvgate_audit_verdicts_total", labels):
+            if registry.get_sample_value("kvgate_audit_verdicts_total", labels):
                 break
             await asyncio.sleep(0.25)
-    assert (metrics.registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0) >= 1
+    assert (registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0) >= 1
     for verdict in ("incoherent-on-warm-hit", "replica-mismatch", "nondeterministic"):
-        assert not metrics.registry.get_sample_value(
-            "kvgate_audit_verdicts_total", {**labels, "verdict": verdict}
-        )
+        assert not registry.get_sample_value("kvgate_audit_verdicts_total", {**labels, "verdict": verdict})
