@@ -400,16 +400,27 @@ async def _relay_stream(
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
+    pending = b""  # an incomplete line: rewrites only ever see whole lines
     try:
-        async for line in upstream.content:
-            usage.scan(line)
-            await response.write(rewrite.apply(line) if rewrite is not None else line)
+        async for chunk in upstream.content.iter_any():
+            data = pending + chunk if pending else chunk
+            cut = data.rfind(b"\n") + 1
+            pending = data[cut:]
+            if cut:
+                await response.write(_transform(data[:cut], rewrite, usage))
+        if pending:
+            await response.write(_transform(pending, rewrite, usage))
     except (aiohttp.ClientError, TimeoutError) as exc:
         # Bytes already went out: the status is sent, so the error travels as a final SSE event.
         error = BackendUnreachable(f"upstream stream broke: {exc!r}")
         await response.write(b"data: " + error.json_bytes() + b"\n\n")
     await response.write_eof()
     return response
+
+
+def _transform(data: bytes, rewrite: _ModelRewrite | None, usage: _Usage) -> bytes:
+    usage.scan(data)
+    return rewrite.apply(data) if rewrite is not None else data
 
 
 @contextlib.contextmanager
