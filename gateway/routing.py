@@ -2,9 +2,11 @@
 
 Warm requests go only to replicas whose loaded version matches: a replica is eligible for a version
 only when it lists the versioned name with that version's content-addressed root and serves the
-base the version was published for. Among eligible replicas, the one known to hold the longest prefix
-of the prompt wins, unless that would overload it (consistent hashing with bounded loads: no replica
-takes more than ``load_factor`` times its fair share of in-flight requests); with no match, the
+base the version was published for. Among eligible replicas that are within their bounded load (no
+replica takes more than ``LOAD_FACTOR`` times its fair share of in-flight requests), the one known to
+hold the longest prefix of the prompt wins; ties go to a rendezvous hash of the first block key and the
+replica, so a prefix that spilled onto several replicas keeps returning to the same one instead of
+being spread by load (which would make every replica cache every tenant). With no match, the
 least-loaded replica wins.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from blake3 import blake3
 
 from gateway.epoch_table import VersionState
 from gateway.prefix import PrefixIndex
@@ -59,9 +63,11 @@ def choose(candidates: Sequence[Replica], keys: list[bytes], index: PrefixIndex)
     allowed = within_bound(candidates)
     if keys:
         matched = {r.url: index.matched(keys, r.url) for r in allowed}
-        best = max(allowed, key=lambda r: matched[r.url])
+        best = max(allowed, key=lambda r: (matched[r.url], _rendezvous(keys[0], r)))
         if matched[best.url]:
-            busiest = max(r.in_flight for r in allowed)
-            best = max(allowed, key=lambda r: (matched[r.url], load_score(r, busiest)))
             return Choice(best, "prefix", matched[best.url])
     return Choice(pick(allowed), "least-loaded")
+
+
+def _rendezvous(key: bytes, replica: Replica) -> bytes:
+    return blake3(key + replica.url.encode()).digest(8)
