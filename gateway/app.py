@@ -90,9 +90,7 @@ def build_app(
     app[SETTINGS] = settings
     app[METRICS] = metrics = metrics or Metrics()
     app[TRACER] = tracer_from(tracer_provider)
-    app[SNAPSHOT] = Snapshot(
-        on_epoch_change=lambda logical_id: metrics.epoch_changes.labels(logical_id).inc()
-    )
+    app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
     app.cleanup_ctx.append(_components)
