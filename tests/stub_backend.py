@@ -25,6 +25,8 @@ class StubState:
     received_headers: list[dict[str, str]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     fail_loads: str | None = None
+    busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
+    resets: int = 0
     chunks: int = 4
     break_stream_after: int | None = None
 
@@ -102,12 +104,22 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    if state.busy_resets > 0:
+        state.busy_resets -= 1
+        return web.json_response({"success": False})
+    state.resets += 1
+    return web.json_response({"success": True})
+
+
 def build_stub(state: StubState) -> web.Application:
     app = web.Application()
     app[STUB] = state
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/load_lora_adapter", _load)
     app.router.add_post("/v1/unload_lora_adapter", _unload)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
     return app

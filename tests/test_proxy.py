@@ -267,3 +267,21 @@ async def test_same_name_from_another_root_is_replaced(gateway: Gateway, publish
     assert raw.headers["x-kvgate-version"] == v1
     assert stub.adapters[v1] != "/somewhere/else"
     assert stub.loads == [v1]
+
+
+async def test_purge_all_resets_every_replica_and_retries_while_busy(
+    gateway: Gateway, publish: Any, table: EpochTable
+) -> None:
+    async with stubs(2) as backends:
+        backends[0][1].busy_resets = 3  # blocks still in use: vLLM answers {"success": false}
+        await publish("tenant-42", b"v1")
+        async with gateway([u for u, _ in backends], invalidation="purge-all") as url, client(url) as api:
+            await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+            await publish("tenant-42", b"v2")
+            for _ in range(50):
+                if all(state.resets for _, state in backends):
+                    break
+                await asyncio.sleep(0.1)
+    assert [state.resets for _, state in backends] == [1, 1]
+    assert backends[0][1].busy_resets == 0
+    assert "cache_salt" not in backends[0][1].received[-1], "purge-all pools send no cache namespace"
