@@ -10,6 +10,7 @@ No Redis command runs here: the snapshot is local. Each request leaves one span 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import re
@@ -22,7 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from blake3 import blake3
-from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
+from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
 from gateway import tracing as attr
 from gateway.backends import BackendDialect
@@ -110,6 +111,7 @@ class Proxy:
         self.index = index
         self.metrics = metrics
         self.tracer = tracer
+        self.tracing = not isinstance(tracer, NoOpTracer)
         self.activity: dict[str, float] = {}
         """Logical ID -> monotonic time of its last request (the canary audits active IDs)."""
 
@@ -241,8 +243,9 @@ class Proxy:
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        attr.inject_traceparent(headers)
-        rewrite = _ModelRewrite(name, target.logical_id) if name is not None else None
+        if self.tracing:
+            attr.inject_traceparent(headers)
+        rewrite = _model_rewrite(name, target.logical_id) if name is not None else None
         usage = _Usage(self.metrics, target.logical_id, span)
         replica.begin(name)
         try:
@@ -376,6 +379,11 @@ class _ModelRewrite:
             if old in data:
                 data = data.replace(old, new)
         return data
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_rewrite(versioned: str, logical: str) -> _ModelRewrite:
+    return _ModelRewrite(versioned, logical)
 
 
 def _evidence(target: Target, replica: Replica) -> dict[str, str]:

@@ -43,7 +43,7 @@ from types import FrameType
 
 import aiohttp
 
-from loadtest.hotspots import summarize
+from loadtest.hotspots import summarize, summarize_pstats
 from tests.stub_backend import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -400,7 +400,7 @@ async def bench(targets: list[Target], stub: Child, args: argparse.Namespace) ->
             results.idle_ms_per_s[target.name] = await idle_rate(target, args.idle_seconds)
         kvgate = next(t.proxy for t in targets if t.name == "kvgate")
         assert kvgate is not None
-        async with _py_spy(kvgate, args.py_spy):
+        async with _py_spy(kvgate, args.py_spy), _cprofile(kvgate, args.cprofile):
             await _rounds(targets, stub, sessions, results, args)
     finally:
         for session in sessions.values():
@@ -431,6 +431,23 @@ async def _py_spy(child: Child, out: Path | None) -> AsyncIterator[None]:
                 await spy.wait()
 
 
+@contextlib.asynccontextmanager
+async def _cprofile(child: Child, out: Path | None) -> AsyncIterator[None]:
+    """Optionally switch on kvgate's cProfile (``loadtest/cprofile_kvgate.py``) while the body runs."""
+    if out is None:
+        yield
+        return
+    child.process.send_signal(signal.SIGUSR1)
+    try:
+        yield
+    finally:
+        child.process.send_signal(signal.SIGUSR2)
+        for _ in range(100):  # the dump is written by kvgate's signal handler
+            await asyncio.sleep(0.1)
+            if await asyncio.to_thread(out.exists):
+                break
+
+
 async def _rounds(
     targets: list[Target],
     stub: Child,
@@ -448,9 +465,9 @@ async def _rounds(
                                         concurrency=args.concurrency,
                                         max_seconds=args.phase_seconds)  # fmt: skip
                 results.add(target.name, kind, phase)
+                kernel = f"({100 * phase.proxy_sys_share():3.0f}% sys)" if target.proxy else " " * 10
                 print(f"  round {round_no + 1} {target.name:<8} {kind:<6} {phase.requests:>6} req "
-                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req "
-                      f"({100 * phase.proxy_sys_share():3.0f}% sys)  "
+                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req {kernel}  "
                       f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
                       f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
 
@@ -560,8 +577,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "Notes:",
         "",
         *(
-            ["- **This run sampled kvgate with py-spy**: its figures are inflated; do not compare them."]
-            if args.py_spy
+            ["- **This run profiled kvgate**: its figures are inflated; do not compare them."]
+            if args.py_spy or args.cprofile
             else []
         ),
         f"- Idle background CPU of each proxy (ms of CPU per second, measured before the rounds): {idle}. "
@@ -635,6 +652,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=100, help="unmeasured requests per target and kind")
     parser.add_argument("--phase-seconds", type=float, default=180.0, help="time bound of one phase")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle window for background CPU")
+    parser.add_argument(
+        "--cprofile",
+        type=Path,
+        metavar="FILE",
+        help="run kvgate under cProfile (CPU clock) in the rounds, dump to FILE (.pstats); perturbs figures",
+    )
     parser.add_argument("--kinds", default="plain,stream", help="which phases to measure: plain, stream "
                         "or both, comma-separated (default both)")  # fmt: skip
     parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
@@ -645,6 +668,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--requests, --rounds and --concurrency must be positive")
     if args.py_spy is not None:
         args.py_spy = args.py_spy.resolve()
+    if args.cprofile is not None:
+        args.cprofile = args.cprofile.resolve()
+        with contextlib.suppress(FileNotFoundError):
+            args.cprofile.unlink()  # a fresh dump marks the end of profiling
     args.kinds = tuple(kind for kind in KINDS if kind in args.kinds.split(","))
     if not args.kinds:
         parser.error(f"--kinds takes {' and/or '.join(KINDS)}")
@@ -696,7 +723,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 versioned = str(published["name"])
                 env["versioned"] = versioned
                 kv_port = free_port()
-                kvgate = fleet.start("kvgate", [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
+                kvgate_cmd = ["-m", "gateway.cli"]
+                if args.cprofile is not None:
+                    kvgate_cmd = ["-m", "loadtest.cprofile_kvgate", str(args.cprofile)]
+                kvgate = fleet.start("kvgate", [py, *kvgate_cmd, "serve", "--replica", stub_url,
                                                 "--data-dir", str(workdir / "kvgate"),
                                                 "--store", str(workdir / "store"),
                                                 "--port", str(kv_port)])  # fmt: skip
@@ -732,6 +762,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"proxy_overhead: {exc}", file=sys.stderr)
             return 1
     env["load_end"] = _load_average()
+    if args.cprofile is not None and args.cprofile.exists():
+        print(f"\ncProfile of kvgate written to {args.cprofile}")
+        print(summarize_pstats(args.cprofile))
     if args.py_spy is not None and args.py_spy.exists():
         print(f"\npy-spy profile of kvgate written to {args.py_spy}")
         print(summarize(args.py_spy.read_text(errors="replace")).render())
