@@ -7,7 +7,7 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing
 
 setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done
 
@@ -49,6 +49,15 @@ demo: setup
 loadtest-invalidation: setup
 	$(PY) -m loadtest.invalidation --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--out docs/invalidation.md --plot docs/invalidation.png
+
+# Proxy CPU per request and per 32-chunk SSE stream, kvgate vs direct vs a naive aiohttp proxy (and nginx
+# when installed), in front of a fast stub backend: writes docs/perf.md.
+loadtest-proxy: $(VENV)/.done
+	$(PY) -m loadtest.proxy_overhead --requests 2000 --rounds 3 --out docs/perf.md
+
+# kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
+loadtest-routing: $(VENV)/.done
+	$(PY) -m loadtest.prefix_routing --replicas 2 4 --requests 20000 --seed 1 --out docs/prefix_routing.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo
