@@ -192,6 +192,10 @@ class AdapterLoader:
                 retired_at = self.snapshot.retired.setdefault(name, now)
                 if now - retired_at >= self.drain_grace and not replica.in_flight_by_name.get(name):
                     await self._unload(replica, name, reason="retired")
+        loaded = {name for replica in self.pool.replicas for name in replica.listing.adapters}
+        for name, retired_at in list(self.snapshot.retired.items()):  # forget what is gone everywhere
+            if name not in loaded and now - retired_at >= self.drain_grace:
+                del self.snapshot.retired[name]
 
     async def sweep_forever(self, interval: float) -> None:
         await periodically(interval, self.sweep)
