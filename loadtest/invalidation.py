@@ -27,7 +27,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.app import build_app
-from gateway.audit import GatewayTarget
+from gateway.audit import GatewayTarget, audit_round
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.metrics import Metrics
@@ -98,7 +98,9 @@ async def run_strategy(
     *,
     tenants: int,
     rounds: int,
+    audits: dict[str, str],
 ) -> list[Observation]:
+    """Steady traffic, one tenant's update, more traffic; then the updated tenant is audited."""
     await redis.flushdb()
     table = EpochTable(redis)
     settings = Settings(
@@ -140,6 +142,8 @@ async def run_strategy(
             if strategy == "purge-all":
                 await _until_purged(metrics, replicas)
             await traffic("after")
+            verdicts = await audit_round(http, GatewayTarget(url, names[0], TOKEN))
+            audits[strategy] = ", ".join(sorted({v.verdict for v in verdicts}))
     finally:
         await runner.cleanup()
     return observations
@@ -224,6 +228,7 @@ async def main_async(args: argparse.Namespace) -> None:
         replicas = await start_replicas(specs)
         try:
             observations: list[Observation] = []
+            audits: dict[str, str] = {}
             store = AdapterStore(work / "store")
             for strategy in STRATEGIES:
                 observations += await run_strategy(
@@ -234,11 +239,14 @@ async def main_async(args: argparse.Namespace) -> None:
                     args.fixture_dir,
                     tenants=args.tenants,
                     rounds=args.rounds,
+                    audits=audits,
                 )
         finally:
             await asyncio.gather(*(r.stop() for r in replicas))
             await redis.aclose()
     table = summarize(observations, args.rounds, args.tenants)
+    table += "\n\nAudit of the updated tenant after the run (`kvgate audit` through kvgate, every replica): "
+    table += "; ".join(f"{strategy}: {verdict}" for strategy, verdict in audits.items())
     command = (
         f"python -m loadtest.invalidation --tenants {args.tenants} --rounds {args.rounds} "
         f"--out {args.out} --plot {args.plot}"
