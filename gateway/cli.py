@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import uvloop
 from aiohttp import web
 from redis.asyncio import Redis
 
@@ -296,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
-        code = asyncio.run(COMMANDS[args.command](args, settings))
+        command = COMMANDS[args.command](args, settings)
+        code = uvloop.run(command) if args.command == "serve" else asyncio.run(command)
     except KvgateError as exc:
         print(f"kvgate {args.command}: {exc.message}", file=sys.stderr)
         return 2 if exc.status < 500 else 1

@@ -59,7 +59,7 @@ class EmbeddedRedis:
         """True when this object started the server (and so stops it)."""
         return self._process is not None
 
-    def _answers(self) -> bool:
+    def answers(self) -> bool:
         try:
             with redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1.0) as client:
                 return bool(client.ping())
@@ -68,7 +68,7 @@ class EmbeddedRedis:
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self._answers():
+        if self.answers():
             return
         if self.socket.exists():
             self.socket.unlink()  # left by a server that died
@@ -90,7 +90,7 @@ class EmbeddedRedis:
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + self.start_timeout
-        while not self._answers():
+        while not self.answers():
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:]

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 
 from gateway.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
+from tests.stub_backend import StubState, build_stub, free_port, run_app
 
 
 def kvgate(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -103,3 +109,34 @@ def test_bad_logical_id_and_unknown_rollback(make_adapter: MakeAdapter, tmp_path
     missing = kvgate("rollback", "nobody", data_dir=data)
     assert missing.returncode == 2
     assert "no published version" in missing.stderr
+
+
+async def test_serve_runs_with_its_own_redis_and_stops_cleanly(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    data = tmp_path / "kvgate"
+    published = ok("publish", "tenant-42", str(make_adapter(b"v1")), data_dir=data)
+    stub = StubState()
+    async with run_app(build_stub(stub)) as stub_url:
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port", str(port),
+                   "--data-dir", str(data), "--store", str(data / "store")]  # fmt: skip
+        server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as http:
+                for _ in range(100):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(f"{url}/healthz") as health:
+                            if health.status == 200:
+                                break
+                    await asyncio.sleep(0.1)
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+                completion = await client.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+            assert completion.model == "tenant-42"
+            assert stub.received[-1]["model"] == published["name"]
+        finally:
+            server.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(server.communicate(), timeout=30)
+    assert server.returncode == 0, err.decode()
+    assert not EmbeddedRedis(data).answers(), "the embedded Redis stops with serve"
