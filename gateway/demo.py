@@ -138,9 +138,10 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, object]) 
 
 
 def print_table(rows: list[Row]) -> None:
-    header = (
-        f"{'PATH':<24} {'REPLICA':<16} {'SERVED':<27} {'CACHED':>6}  {'WARM':<22} {'COLD':<22} WARM==COLD"
+    columns = (
+        f"{'PATH':<24} {'REPLICA':<16} {'SERVED':<27} {'DIGEST':<17} {'CACHED':>6}  {'WARM':<22} {'COLD':<22}"
     )
+    header = f"{columns} WARM==COLD"
     print()
     print(header)
     print("-" * len(header))
@@ -148,9 +149,10 @@ def print_table(rows: list[Row]) -> None:
         obs = row.verdict.observation
         warm, cold = obs.warm[-1], obs.cold[0]
         same = "yes" if warm.agrees_with(cold) else f"NO (max |dlogprob| {warm.max_logprob_diff(cold):.3f})"
+        replica, digest = row.verdict.replica.removeprefix("http://"), (obs.digest or "?")[:16]
         print(
-            f"{row.path:<24} {row.verdict.replica.removeprefix('http://'):<16} {obs.served:<27} "
-            f"{warm.cached_tokens:>6}  {_short(warm.text):<22} {_short(cold.text):<22} {same}"
+            f"{row.path:<24} {replica:<16} {obs.served:<27} {digest:<17} {warm.cached_tokens:>6}  "
+            f"{_short(warm.text):<22} {_short(cold.text):<22} {same}"
         )
 
 
