@@ -53,6 +53,7 @@ loadtest-invalidation: setup
 # Proxy CPU per request and per 32-chunk SSE stream, kvgate vs direct vs a naive aiohttp proxy (and nginx
 # when installed), in front of a fast stub backend: writes docs/perf.md.
 loadtest-proxy: $(VENV)/.done
+	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
 	$(PY) -m loadtest.proxy_overhead --requests 2000 --rounds 3 --out docs/perf.md
 
 # kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
