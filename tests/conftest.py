@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,21 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         yield server
 
 
-@pytest_asyncio.fixture
-async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.url)
+@asynccontextmanager
+async def flushed_client(server: EmbeddedRedis) -> AsyncIterator[Redis]:
+    """A client of the session's redis-server, on an empty database (each test starts from nothing)."""
+    client = Redis.from_url(server.url)
     await client.flushdb()
     try:
         yield client
     finally:
         await client.aclose()
+
+
+@pytest_asyncio.fixture
+async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
+    async with flushed_client(redis_server) as client:
+        yield client
 
 
 @pytest_asyncio.fixture

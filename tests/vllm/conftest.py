@@ -29,6 +29,7 @@ from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess, VllmReplicaSpec, free_port, start_replicas
+from tests.conftest import flushed_client
 from tests.stub_backend import run_app
 
 
@@ -69,12 +70,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def session_redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.url)
-    await client.flushdb()
-    try:
+    """Like ``redis``, on the session's event loop (the loop the vLLM replicas were started on)."""
+    async with flushed_client(redis_server) as client:
         yield client
-    finally:
-        await client.aclose()
 
 
 ADMIN_TOKEN = "test-admin-token"
