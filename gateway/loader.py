@@ -65,10 +65,11 @@ class AdapterLoader:
         if on is not None:
             candidates = [replica for replica in candidates if replica is on]
         if not candidates:
-            where = f"replica {on.url}" if on is not None else "no healthy replica"
-            raise NoEligibleReplica(
-                f"{where} serves base {version.base!r} for {version.logical_id!r}", param="model"
-            )
+            if on is not None:
+                reason = f"replica {on.url} is unhealthy or does not serve base {version.base!r}"
+            else:
+                reason = f"no healthy replica serves base {version.base!r} for {version.logical_id!r}"
+            raise NoEligibleReplica(reason, param="model")
         target = pick(candidates)
         key = (target.url, version.name)
         task = self._loading.get(key)
