@@ -40,6 +40,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def _health(request: web.Request) -> web.Response:
+    return web.Response()  # vLLM answers 200 with an empty body
+
+
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STUB]
     data = [{"id": state.base, "object": "model", "root": state.base_root, "parent": None}]
@@ -116,6 +120,7 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 def build_stub(state: StubState) -> web.Application:
     app = web.Application()
     app[STUB] = state
+    app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/load_lora_adapter", _load)
     app.router.add_post("/v1/unload_lora_adapter", _unload)
