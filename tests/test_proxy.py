@@ -285,3 +285,24 @@ async def test_purge_all_resets_every_replica_and_retries_while_busy(
     assert [state.resets for _, state in backends] == [1, 1]
     assert backends[0][1].busy_resets == 0
     assert "cache_salt" not in backends[0][1].received[-1], "purge-all pools send no cache namespace"
+
+
+async def test_a_replica_with_another_base_is_never_eligible(gateway: Gateway, publish: Any) -> None:
+    async with stubs(2) as backends:
+        (other_url, other), (good_url, good) = backends
+        other.base = "another-base"  # published versions record base "base"
+        v1 = await publish("tenant-42", b"v1")
+        async with gateway([other_url, good_url]) as url, client(url) as api:
+            for _ in range(4):
+                raw = await api.completions.with_raw_response.create(
+                    model="tenant-42", prompt="p", max_tokens=1
+                )
+                assert raw.headers["x-kvgate-replica"] == good_url
+    assert (other.loads, good.loads) == ([], [v1])
+    async with stubs(1) as only_other:
+        only_other[0][1].base = "another-base"
+        async with gateway([only_other[0][0]]) as url, client(url) as api:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+    assert caught.value.status_code == 503
+    assert "base 'base'" in caught.value.message
