@@ -54,6 +54,7 @@ loadtest-invalidation: setup
 # when installed), in front of a fast stub backend: writes docs/perf.md.
 loadtest-proxy: $(VENV)/.done
 	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
+	test -x .venv-router/bin/vllm-router || ($(PYTHON) -m venv .venv-router && .venv-router/bin/pip install $(PIP_QUIET) vllm-router)
 	$(PY) -m loadtest.proxy_overhead --requests 2000 --rounds 3 --out docs/perf.md
 
 # kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import uvloop
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 from redis.asyncio import Redis
 
 from gateway.app import build_app
@@ -28,6 +29,7 @@ from gateway.audit import (
     AuditTarget,
     DirectTarget,
     GatewayTarget,
+    Verdict,
     audit_before_after,
     audit_round,
     faulty,
@@ -43,6 +45,7 @@ from gateway.identity import check_logical_id, scan_adapter, versioned_name
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
 from gateway.store import AdapterStore
+from gateway.tracing import tracer_from, tracer_provider_from_env
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +124,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def open_table(settings: Settings) -> AsyncIterator[EpochTable]:
+async def open_table(settings: Settings, tracing: TracerProvider | None) -> AsyncIterator[EpochTable]:
     """The configured Redis, or the embedded one under ``--data-dir`` (adopted if already running)."""
     with contextlib.ExitStack() as stack:
         url = settings.redis_url
@@ -129,7 +132,7 @@ async def open_table(settings: Settings) -> AsyncIterator[EpochTable]:
             url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
         redis = Redis.from_url(url, health_check_interval=10)
         try:
-            yield EpochTable(redis)
+            yield EpochTable(redis, tracer=tracer_from(tracing))
         finally:
             await redis.aclose()
 
@@ -138,10 +141,10 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
     print(json.dumps(doc, indent=2) if args.json else line)
 
 
-async def cmd_publish(args: argparse.Namespace, settings: Settings) -> None:
+async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
     scan_adapter(args.adapter_dir)
-    async with open_table(settings) as table:
+    async with open_table(settings, tracing) as table:
         done = await publish_adapter(
             table, AdapterStore(settings.store), args.logical_id, args.adapter_dir, settings.base_identity
         )
@@ -158,9 +161,9 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings) -> None:
         )
 
 
-async def cmd_rollback(args: argparse.Namespace, settings: Settings) -> None:
+async def cmd_rollback(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     logical_id = check_logical_id(args.logical_id)
-    async with open_table(settings) as table:
+    async with open_table(settings, tracing) as table:
         change = await table.rollback(logical_id, args.digest)
     name = versioned_name(logical_id, change.digest)
     verb = "rolled back" if change.changed else "unchanged (already current)"
@@ -169,17 +172,17 @@ async def cmd_rollback(args: argparse.Namespace, settings: Settings) -> None:
     _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch}")
 
 
-async def cmd_bump(args: argparse.Namespace, settings: Settings) -> None:
+async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     logical_id = check_logical_id(args.logical_id)
-    async with open_table(settings) as table:
+    async with open_table(settings, tracing) as table:
         change = await table.bump(logical_id)
     _emit(
         args, {"logical_id": logical_id, "epoch": change.epoch}, f"bumped: {logical_id} epoch {change.epoch}"
     )
 
 
-async def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
-    async with open_table(settings) as table:
+async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    async with open_table(settings, tracing) as table:
         view = await table.read_all()
         loaded = await table.read_loaded()
     rows: list[dict[str, Any]] = []
@@ -198,11 +201,11 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
         print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<18} {loaded_on}")
 
 
-async def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
+async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
-    async with open_table(settings) as table:
-        app = build_app(settings, table.redis)
+    async with open_table(settings, tracing) as table:
+        app = build_app(settings, table.redis, tracer_provider=tracing)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -218,19 +221,24 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
             await runner.cleanup()
 
 
-async def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+async def cmd_audit(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> int:
     """Exit 0 when every verdict is coherent, 3 when the audit found a fault."""
-    target, update = _audit_plan(args, settings)
+    target, update = _audit_plan(args, settings, tracing)
     timeout = aiohttp.ClientTimeout(
         total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
     )
+    rounds: dict[str, list[Verdict]] = {}
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        if args.before_after:
-            before, after = await audit_before_after(http, target, lambda: update(http), colds=args.colds)
-            rounds = {"before": before, "after": after}
-        else:
-            verdicts = await audit_round(http, target, colds=args.colds, expected_digest=args.expect_digest)
-            rounds = {"audit": verdicts}
+        with tracer_from(tracing).start_as_current_span("kvgate.audit") as span:
+            if args.before_after:
+                before, after = await audit_before_after(http, target, lambda: update(http), colds=args.colds)
+                rounds = {"before": before, "after": after}
+            else:
+                verdicts = await audit_round(
+                    http, target, colds=args.colds, expected_digest=args.expect_digest
+                )
+                rounds = {"audit": verdicts}
+            span.set_attribute("kvgate.audit.verdicts", [v.verdict for vs in rounds.values() for v in vs])
     if args.json:
         print(audit_json(rounds))
     else:
@@ -241,7 +249,9 @@ async def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 UpdateStep = Callable[[aiohttp.ClientSession], Awaitable[str | None]]
 
 
-def _audit_plan(args: argparse.Namespace, settings: Settings) -> tuple[AuditTarget, UpdateStep]:
+def _audit_plan(
+    args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None
+) -> tuple[AuditTarget, UpdateStep]:
     """Which deployment to audit, and what ``--before-after`` runs between the two rounds."""
     if args.direct:
         if not args.model or args.logical_id or args.gateway:
@@ -264,7 +274,7 @@ def _audit_plan(args: argparse.Namespace, settings: Settings) -> tuple[AuditTarg
     target = GatewayTarget(args.gateway.rstrip("/"), check_logical_id(args.logical_id), token)
 
     async def publish(http: aiohttp.ClientSession) -> str | None:
-        async with open_table(settings) as table:
+        async with open_table(settings, tracing) as table:
             done = await publish_adapter(
                 table, AdapterStore(settings.store), target.logical_id, args.publish, settings.base_identity
             )
@@ -274,14 +284,15 @@ def _audit_plan(args: argparse.Namespace, settings: Settings) -> tuple[AuditTarg
     return target, publish
 
 
-async def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
+async def cmd_demo(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     from gateway.demo import run_demo
 
     if not await run_demo(settings, vllm_python=args.vllm_python, fixture_dir=args.fixture_dir):
         raise KvgateError("the demo did not show the fault on the direct path and coherence through kvgate")
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int | None]]] = {
+Command = Callable[[argparse.Namespace, Settings, TracerProvider | None], Coroutine[Any, Any, int | None]]
+COMMANDS: dict[str, Command] = {
     "serve": cmd_serve,
     "audit": cmd_audit,
     "publish": cmd_publish,
@@ -297,8 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
-        command = COMMANDS[args.command](args, settings)
-        code = uvloop.run(command) if args.command == "serve" else asyncio.run(command)
+        tracing = tracer_provider_from_env()  # OTEL_TRACES_EXPORTER etc.; None (off) by default
+        command = COMMANDS[args.command](args, settings, tracing)
+        try:
+            code = uvloop.run(command) if args.command == "serve" else asyncio.run(command)
+        finally:
+            if tracing is not None:
+                tracing.shutdown()  # flush what the batch processor holds
     except KvgateError as exc:
         print(f"kvgate {args.command}: {exc.message}", file=sys.stderr)
         return 2 if exc.status < 500 else 1

@@ -45,7 +45,8 @@ def tracer_provider_from_env() -> TracerProvider | None:
     exporters = [_exporter(name) for name in names if name != "none"]
     if not exporters:
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": "kvgate"}))
+    service = os.environ.get("OTEL_SERVICE_NAME") or "kvgate"  # explicit attributes would override the env
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider

@@ -1,8 +1,10 @@
-"""Proxy CPU cost, side by side: kvgate, a naive aiohttp proxy and (if installed) nginx, same stub behind.
+"""Proxy CPU cost, side by side: kvgate, a naive aiohttp proxy, nginx and vllm-router, same stub behind.
 
 Every server runs in its own process on loopback: the vLLM-API stub (``tests.stub_backend``, 32 SSE
 chunks per stream), ``kvgate serve`` (an adapter published through ``kvgate publish``, embedded Redis),
-the naive proxy (``loadtest/naive_proxy.py``) and nginx with ``proxy_pass`` when ``nginx`` is on PATH.
+the naive proxy (``loadtest/naive_proxy.py``), nginx with ``proxy_pass`` when ``nginx`` is on PATH, and
+vllm-router (Rust, ``round_robin`` over the one stub) when its command exists (``--vllm-router``, default
+``.venv-router/bin/vllm-router``; ``make loadtest-proxy`` installs it there). Missing ones are reported.
 The load generator runs here (aiohttp, keep-alive, fixed concurrency, bounded in count and time).
 
 What is measured is CPU time, not throughput: utime+stime of the proxy process (``/proc/<pid>/stat``
@@ -51,7 +53,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 LOGICAL_ID = "bench"
 CHUNKS = 32
 TARGET_US = {"plain": 250.0, "stream": 600.0}
-# Quoted by the team for this machine; NOT measured by this script (only kvgate, naive and nginx are).
+# Quoted by the team for this machine; NOT measured by this script (its own figures for the same proxies
+# are in the table it writes, next to these).
 REFERENCE_US = {
     "nginx proxy_pass": (60, 400),
     "vllm-router (Rust)": (200, 850),
@@ -247,6 +250,25 @@ http {{
     }}
 }}
 """
+
+
+def router_version(binary: Path) -> str:
+    """vllm-router's version, from its venv's dist-info (the command has no --version)."""
+    venv = binary.resolve().parent.parent
+    for dist in sorted(venv.glob("lib/python*/site-packages/vllm_router-*.dist-info")):
+        return dist.name.removeprefix("vllm_router-").removesuffix(".dist-info")
+    return "version unknown"
+
+
+def start_vllm_router(fleet: Fleet, binary: Path, upstream_url: str) -> tuple[Child, str]:
+    """vllm-router, one worker (the stub), round robin. One process (it renames itself vllm::router)."""
+    port = free_port()
+    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream_url,
+            "--policy", "round_robin", "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "30",
+            "--log-level", "warning"]  # fmt: skip
+    child = fleet.start("vllm-router", argv)
+    return child, f"http://127.0.0.1:{port}"
 
 
 def start_nginx(fleet: Fleet, binary: str, upstream_port: int) -> tuple[Child, str]:
@@ -466,7 +488,7 @@ async def _rounds(
                                         max_seconds=args.phase_seconds)  # fmt: skip
                 results.add(target.name, kind, phase)
                 kernel = f"({100 * phase.proxy_sys_share():3.0f}% sys)" if target.proxy else " " * 10
-                print(f"  round {round_no + 1} {target.name:<8} {kind:<6} {phase.requests:>6} req "
+                print(f"  round {round_no + 1} {target.name:<11} {kind:<6} {phase.requests:>6} req "
                       f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req {kernel}  "
                       f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
                       f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
@@ -536,6 +558,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         lines.append("| " + " | ".join(cells) + " |")
     if "nginx" not in names:
         lines.append(f"| nginx `proxy_pass` | {env['nginx']} | - | - | - | - | - |")
+    if "vllm-router" not in names:
+        lines.append(f"| vllm-router | {env['vllm-router']} | - | - | - | - | - |")
     lines += [
         "",
         "Ratios, taken within each round (same machine state), then the median over rounds:",
@@ -552,6 +576,13 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         )
     else:
         lines.append(f"| kvgate / nginx | n/a: {env['nginx']} | n/a |")
+    if "vllm-router" in names:
+        lines.append(
+            f"| kvgate / vllm-router | {_ratio(results, 'kvgate', 'vllm-router', 'plain')} "
+            f"| {_ratio(results, 'kvgate', 'vllm-router', 'stream')} |"
+        )
+    else:
+        lines.append(f"| kvgate / vllm-router | n/a: {env['vllm-router']} | n/a |")
     kv_plain = _median([p.proxy_us() for p in results.rounds.get(("kvgate", "plain"), [])])
     kv_stream = _median([p.proxy_us() for p in results.rounds.get(("kvgate", "stream"), [])])
 
@@ -590,12 +621,15 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "(the kernel runs the receiver's TCP path in the sender's syscall) and epoll.",
         "- The load generator, the stub and the proxy share the 2 cores: latencies include that contention, "
         "CPU figures do not (each is one process's own time).",
-        "- Direct and naive send the versioned name (`"
+        "- Direct, naive, nginx and vllm-router send the versioned name (`"
         + env["versioned"]
-        + "`) straight to the stub; kvgate "
+        + "`) straight to the stub (vllm-router passes it through unchanged); kvgate "
         f"gets the logical ID `{LOGICAL_ID}` and rewrites it both ways, so the stub does the same work.",
         "- nginx runs with `worker_processes 1` (one core, like the Python proxies); master + worker CPU "
         "summed.",
+        f"- vllm-router ({env['vllm-router']}): `--policy round_robin`, the stub as its only worker, "
+        "`--log-level warning`; one process (all its threads, so it may use both cores); it health-checks "
+        "the worker in the background (in its idle figure above).",
         "",
         f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end: "
         f"{env['load_start']} / {env['load_end']}.",
@@ -660,6 +694,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--kinds", default="plain,stream", help="which phases to measure: plain, stream "
                         "or both, comma-separated (default both)")  # fmt: skip
+    parser.add_argument("--vllm-router", type=Path, default=Path(".venv-router/bin/vllm-router"),
+                        help="vllm-router command, relative to the repository root unless absolute; "
+                        "skipped if missing (default .venv-router/bin/vllm-router)")  # fmt: skip
     parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
     parser.add_argument("--py-spy", type=Path, metavar="FILE", help="also sample kvgate with py-spy in the "
                         "rounds (raw stacks to FILE, summary printed); perturbs the figures")  # fmt: skip
@@ -706,6 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "label:kvgate": "**kvgate** (`kvgate serve`)",
         "label:naive": "naive aiohttp proxy",
         "label:nginx": "nginx `proxy_pass`",
+        "label:vllm-router": "vllm-router (Rust, `round_robin`)",
     }
     py = sys.executable
     with _signals_exit(), tempfile.TemporaryDirectory(prefix="kvgate-perf-") as tmp:
@@ -755,6 +793,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     wait_ready(nginx, nginx_url + "/v1/models")
                     targets.append(Target("nginx", nginx_url, versioned, versioned, nginx))
                     env["nginx"] = nginx_binary
+                router_binary = ROOT / args.vllm_router  # an absolute path stays as it is
+                if not (router_binary.is_file() and os.access(router_binary, os.X_OK)):
+                    env["vllm-router"] = (
+                        f"not installed here (no `{args.vllm_router}`; `make loadtest-proxy` installs it)"
+                    )
+                    print(f"vllm-router: not installed (no {router_binary}): skipped", flush=True)
+                else:
+                    router, router_url = start_vllm_router(fleet, router_binary, stub_url)
+                    wait_ready(router, router_url + "/health", timeout=60.0)
+                    targets.append(Target("vllm-router", router_url, versioned, versioned, router))
+                    env["vllm-router"] = f"{args.vllm_router}, {router_version(router_binary)}"
 
                 print(f"targets: {', '.join(t.name for t in targets)}; published {versioned}", flush=True)
                 results = asyncio.run(bench(targets, stub, args))

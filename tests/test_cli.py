@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -140,3 +141,15 @@ async def test_serve_runs_with_its_own_redis_and_stops_cleanly(
             _, err = await asyncio.wait_for(server.communicate(), timeout=30)
     assert server.returncode == 0, err.decode()
     assert not EmbeddedRedis(data).answers(), "the embedded Redis stops with serve"
+
+
+def test_otel_console_exporter_traces_cli_mutations(make_adapter: MakeAdapter, tmp_path: Path) -> None:
+    data = tmp_path / "kvgate"
+    command = [sys.executable, "-m", "gateway.cli", "publish", "tenant-42", str(make_adapter(b"v1")),
+               "--data-dir", str(data), "--store", str(data / "store")]  # fmt: skip
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "kvgate-test"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 0, done.stderr
+    assert '"name": "kvgate.publish"' in done.stdout
+    assert '"kvgate.logical_id": "tenant-42"' in done.stdout
+    assert '"service.name": "kvgate-test"' in done.stdout
