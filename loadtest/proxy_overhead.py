@@ -594,6 +594,8 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
             "within target" if value <= goal else "**over target**"
         )
 
+    others = [name for name in names if name != "kvgate"]
+    senders = ", ".join(others[:-1]).capitalize() + " and " + others[-1] if len(others) > 1 else "Direct"
     idle = ", ".join(
         f"{name} {results.idle_ms_per_s.get(name, 0.0):.2f}" for name in names if name != "direct"
     )
@@ -621,15 +623,23 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> s
         "(the kernel runs the receiver's TCP path in the sender's syscall) and epoll.",
         "- The load generator, the stub and the proxy share the 2 cores: latencies include that contention, "
         "CPU figures do not (each is one process's own time).",
-        "- Direct, naive, nginx and vllm-router send the versioned name (`"
+        f"- {senders} send the versioned name (`"
         + env["versioned"]
-        + "`) straight to the stub (vllm-router passes it through unchanged); kvgate "
+        + "`) straight to the stub"
+        + (" (vllm-router passes it through unchanged)" if "vllm-router" in names else "")
+        + "; kvgate "
         f"gets the logical ID `{LOGICAL_ID}` and rewrites it both ways, so the stub does the same work.",
         "- nginx runs with `worker_processes 1` (one core, like the Python proxies); master + worker CPU "
         "summed.",
-        f"- vllm-router ({env['vllm-router']}): `--policy round_robin`, the stub as its only worker, "
-        "`--log-level warning`; one process (all its threads, so it may use both cores); it health-checks "
-        "the worker in the background (in its idle figure above).",
+        *(
+            [
+                f"- vllm-router ({env['vllm-router']}): `--policy round_robin`, the stub as its only worker, "
+                "`--log-level warning`; one process (all its threads, so it may use both cores); it "
+                "health-checks the worker in the background (in its idle figure above)."
+            ]
+            if "vllm-router" in names
+            else []
+        ),
         "",
         f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end: "
         f"{env['load_start']} / {env['load_end']}.",
