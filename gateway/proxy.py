@@ -126,10 +126,7 @@ class Proxy:
                 if target.version is not None:
                     self.activity[label] = started
                 _describe_target(span, request, target, self.dialect.name)
-                choice = await self.schedule(target, parsed.pin)
-                _describe_choice(span, choice, target)
-                self.metrics.routing.labels(choice.decision).inc()
-                response = await self.forward(request, parsed, target, choice.replica, span, started)
+                response = await self.schedule_and_forward(request, parsed, target, span, started)
                 outcome = str(response.status)
                 return response
             except KvgateError as exc:
@@ -139,6 +136,25 @@ class Proxy:
             finally:
                 self.metrics.requests.labels(label, outcome).inc()
                 self.metrics.latency.labels(label).observe(time.monotonic() - started)
+
+    async def schedule_and_forward(
+        self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
+    ) -> web.StreamResponse:
+        """Stages 3 and 4. A replica that fails before the first byte reaches the client is marked
+        unhealthy (until its next good poll) and the request goes to the next eligible one; pinned
+        requests are never moved. After the first byte, errors travel as a final SSE event instead."""
+        for attempt in range(len(self.pool.replicas)):
+            choice = await self.schedule(target, parsed.pin)
+            _describe_choice(span, choice, target)
+            self.metrics.routing.labels(choice.decision).inc()
+            try:
+                return await self.forward(request, parsed, target, choice.replica, span, started)
+            except BackendUnreachable:
+                choice.replica.healthy = False
+                if parsed.pin is not None or attempt + 1 == len(self.pool.replicas):
+                    raise
+                self.metrics.routing.labels("retry").inc()
+        raise NoEligibleReplica("no replica left to try")
 
     # --- stage 1: parse --------------------------------------------------------------------------
 

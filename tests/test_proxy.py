@@ -306,3 +306,24 @@ async def test_a_replica_with_another_base_is_never_eligible(gateway: Gateway, p
                 await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
     assert caught.value.status_code == 503
     assert "base 'base'" in caught.value.message
+
+
+async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
+    gateway: Gateway, publish: Any, table: EpochTable
+) -> None:
+    await publish("tenant-42", b"v1")
+    state = await table.read_state("tenant-42")
+    assert state is not None
+    survivor, doomed = StubState(), StubState()
+    survivor.adapters[state.name] = doomed.adapters[state.name] = state.path  # eligible on both
+    async with run_app(build_stub(survivor)) as survivor_url:
+        doomed_app = run_app(build_stub(doomed))
+        doomed_url = await doomed_app.__aenter__()
+        async with gateway([doomed_url, survivor_url], poll_interval=60) as url, client(url) as api:
+            await doomed_app.__aexit__(None, None, None)  # gone; the pool still thinks it is healthy
+            served = [
+                await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
+                for _ in range(3)
+            ]
+    assert {raw.headers["x-kvgate-replica"] for raw in served} == {survivor_url}
+    assert len(survivor.received) == 3
