@@ -60,7 +60,23 @@ class AdapterLoader:
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def ensure_loaded(self, version: VersionState, on: Replica | None = None) -> Replica:
-        """Load ``version`` on replica ``on`` (or on the least-loaded replica of its base) and return it."""
+        """Load ``version`` on replica ``on`` (or on the least-loaded replica of its base) and return it.
+
+        A replica that turns out to be down is marked unhealthy and the next one is tried (unless pinned);
+        a replica that refuses the load ends the attempt with its reason.
+        """
+        for _ in range(len(self.pool.replicas)):
+            target = self._target(version, on)
+            try:
+                await self._load_once(target, version)
+                return target
+            except NoEligibleReplica:
+                if on is not None or target.healthy:
+                    raise
+                log.warning("%s is down; loading %s elsewhere", target.url, version.name)
+        raise NoEligibleReplica(f"no replica could load {version.name}", param="model")
+
+    def _target(self, version: VersionState, on: Replica | None) -> Replica:
         candidates = same_base(self.pool.replicas, version.base, with_root=self.base_with_root)
         if on is not None:
             candidates = [replica for replica in candidates if replica is on]
@@ -70,7 +86,10 @@ class AdapterLoader:
             else:
                 reason = f"no healthy replica serves base {version.base!r} for {version.logical_id!r}"
             raise NoEligibleReplica(reason, param="model")
-        target = pick(candidates)
+        return pick(candidates)
+
+    async def _load_once(self, target: Replica, version: VersionState) -> None:
+        """Single-flight within this process: concurrent requests share one load task."""
         key = (target.url, version.name)
         task = self._loading.get(key)
         if task is None:
@@ -78,7 +97,6 @@ class AdapterLoader:
             self._loading[key] = task
             task.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(task)
-        return target
 
     async def _load(self, replica: Replica, version: VersionState) -> None:
         token = secrets.token_hex(8)
@@ -128,6 +146,8 @@ class AdapterLoader:
                     f"loading {version.name} on {replica.url} failed: {exc.reason}"
                 ) from exc
             except (aiohttp.ClientError, TimeoutError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectionError):
+                    replica.healthy = False  # until its next good poll
                 raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
             finally:
                 span.set_attribute("kvgate.outcome", outcome)

@@ -327,3 +327,16 @@ async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
             ]
     assert {raw.headers["x-kvgate-replica"] for raw in served} == {survivor_url}
     assert len(survivor.received) == 3
+
+
+async def test_a_replica_dead_at_load_time_is_skipped(gateway: Gateway, publish: Any) -> None:
+    v1 = await publish("tenant-42", b"v1")
+    survivor, doomed = StubState(), StubState()
+    async with run_app(build_stub(survivor)) as survivor_url:
+        doomed_app = run_app(build_stub(doomed))
+        doomed_url = await doomed_app.__aenter__()
+        async with gateway([doomed_url, survivor_url], poll_interval=60) as url, client(url) as api:
+            await doomed_app.__aexit__(None, None, None)  # the first pick for the load, now gone
+            raw = await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
+    assert raw.headers["x-kvgate-replica"] == survivor_url
+    assert (doomed.loads, survivor.loads) == ([], [v1])
