@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from gateway.backends import fetch_model_list
 from gateway.errors import InvalidAdapter
 from gateway.experiment import Sample, complete, fresh_salt, long_prompt
 from gateway.identity import scan_adapter, tree_digest
@@ -128,7 +129,7 @@ class DirectTarget:
         cold = [
             await complete(http, replica, self.model, prompt, cache_salt=fresh_salt()) for _ in range(colds)
         ]
-        root = (await _listed(http, replica)).get(self.model)
+        root = (await fetch_model_list(http, replica)).adapters.get(self.model)
         return Observation(replica, self.model, _digest_of(root), root, None, tuple(warm), tuple(cold))
 
 
@@ -235,12 +236,6 @@ def _digest_of(root: str | None) -> str | None:
         return tree_digest(path, scan_adapter(path))
     except InvalidAdapter:
         return None
-
-
-async def _listed(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
-    async with http.get(f"{url}/v1/models") as response:
-        doc = await response.json()
-    return {m["id"]: m.get("root") or "" for m in doc.get("data", []) if m.get("parent")}
 
 
 def render(title: str, verdicts: Sequence[Verdict]) -> str:

@@ -18,14 +18,18 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+import redis.exceptions
 from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from gateway import keys
+from gateway import tracing as attr
 from gateway.errors import EpochTableError, ModelNotFound, VersionNotFound
 
 Clock = Callable[[], int]
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+"""What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
 
 
 def wall_clock_ms() -> int:
@@ -82,9 +86,9 @@ class EpochTable:
     @contextlib.contextmanager
     def _span(self, name: str, logical_id: str, digest: str = "") -> Iterator[Span]:
         with self.tracer.start_as_current_span(name) as span:
-            span.set_attribute("kvgate.logical_id", logical_id)
+            span.set_attribute(attr.LOGICAL_ID, logical_id)
             if digest:
-                span.set_attribute("kvgate.version.digest", digest)
+                span.set_attribute(attr.VERSION_DIGEST, digest)
             yield span
 
     # --- mutations -------------------------------------------------------------------------------
@@ -95,7 +99,7 @@ class EpochTable:
     async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
         with self._span("kvgate.publish", logical_id, digest=digest) as span:
             change = await self._publish(logical_id, digest, name, path, base)
-            span.set_attribute("kvgate.epoch", change.epoch)
+            span.set_attribute(attr.EPOCH, change.epoch)
             return change
 
     async def _publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
@@ -112,7 +116,7 @@ class EpochTable:
     async def rollback(self, logical_id: str, digest: str = "") -> Change:
         with self._span("kvgate.rollback", logical_id, digest=digest) as span:
             change = await self._rollback(logical_id, digest)
-            span.set_attribute("kvgate.epoch", change.epoch)
+            span.set_attribute(attr.EPOCH, change.epoch)
             return change
 
     async def _rollback(self, logical_id: str, digest: str) -> Change:
@@ -127,7 +131,7 @@ class EpochTable:
     async def bump(self, logical_id: str) -> Change:
         with self._span("kvgate.bump", logical_id) as span:
             change = await self._bump(logical_id)
-            span.set_attribute("kvgate.epoch", change.epoch)
+            span.set_attribute(attr.EPOCH, change.epoch)
             return change
 
     async def _bump(self, logical_id: str) -> Change:

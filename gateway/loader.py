@@ -18,12 +18,13 @@ from pathlib import Path
 import aiohttp
 from opentelemetry.trace import StatusCode, Tracer
 
+from gateway import tracing as attr
 from gateway.backends import LoadFailed
-from gateway.epoch_table import EpochTable, VersionState
+from gateway.epoch_table import REDIS_DOWN, EpochTable, VersionState
 from gateway.errors import NoEligibleReplica
 from gateway.metrics import Metrics
 from gateway.periodic import periodically
-from gateway.replicas import REDIS_DOWN, Replica, ReplicaPool
+from gateway.replicas import Replica, ReplicaPool
 from gateway.routing import pick, same_base
 from gateway.snapshot import Snapshot
 
@@ -134,9 +135,9 @@ class AdapterLoader:
         started = time.perf_counter()
         outcome = "failed"
         with self.tracer.start_as_current_span("kvgate.load") as span:
-            span.set_attribute("kvgate.version.name", version.name)
-            span.set_attribute("kvgate.version.digest", version.digest)
-            span.set_attribute("kvgate.replica", replica.url)
+            span.set_attribute(attr.VERSION_NAME, version.name)
+            span.set_attribute(attr.VERSION_DIGEST, version.digest)
+            span.set_attribute(attr.REPLICA, replica.url)
             try:
                 async with asyncio.timeout(self.load_timeout):
                     await self.pool.dialect.load(self.pool.session, replica.url, version.name, version.path)
@@ -150,7 +151,7 @@ class AdapterLoader:
                     replica.healthy = False  # until its next good poll
                 raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
             finally:
-                span.set_attribute("kvgate.outcome", outcome)
+                span.set_attribute(attr.OUTCOME, outcome)
                 self.metrics.loads.labels(replica.url, outcome).inc()
                 self.metrics.load_seconds.labels(replica.url).observe(time.perf_counter() - started)
 
@@ -186,9 +187,9 @@ class AdapterLoader:
 
     async def _unload(self, replica: Replica, name: str, *, reason: str) -> None:
         with self.tracer.start_as_current_span("kvgate.unload") as span:
-            span.set_attribute("kvgate.version.name", name)
-            span.set_attribute("kvgate.replica", replica.url)
-            span.set_attribute("kvgate.unload.reason", reason)
+            span.set_attribute(attr.VERSION_NAME, name)
+            span.set_attribute(attr.REPLICA, replica.url)
+            span.set_attribute(attr.UNLOAD_REASON, reason)
             try:
                 await self.pool.dialect.unload(self.pool.session, replica.url, name)
             except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:

@@ -13,15 +13,13 @@ import time
 from collections import Counter
 
 import aiohttp
-import redis.exceptions
 
 from gateway.backends import AdapterListing, BackendDialect
 from gateway.config import base_identity
-from gateway.epoch_table import EpochTable
+from gateway.epoch_table import REDIS_DOWN, EpochTable
 from gateway.periodic import periodically
 
 log = logging.getLogger(__name__)
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class Replica:

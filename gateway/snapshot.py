@@ -16,14 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-import redis.exceptions
-
 from gateway import keys
-from gateway.epoch_table import EpochTable, TableView, VersionState
+from gateway.epoch_table import REDIS_DOWN, EpochTable, TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 
 log = logging.getLogger(__name__)
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class Snapshot:

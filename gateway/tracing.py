@@ -38,6 +38,8 @@ BLOCK_KEY = "kvgate.prefix.block_key"
 MATCHED_BLOCKS = "kvgate.prefix.matched_blocks"
 PREDICTED_HIT = "kvgate.prefix.predicted_hit"
 CACHED_TOKENS = "kvgate.backend.cached_tokens"
+OUTCOME = "kvgate.outcome"
+UNLOAD_REASON = "kvgate.unload.reason"
 
 
 def tracer_provider_from_env() -> TracerProvider | None:

@@ -1,6 +1,6 @@
 """Backend dialects: how to list, load and unload adapters on one kind of server, and name its cache."""
 
-from gateway.backends.base import AdapterListing, BackendDialect, LoadFailed
+from gateway.backends.base import AdapterListing, BackendDialect, LoadFailed, fetch_model_list
 from gateway.backends.generic import GenericOpenAIDialect
 from gateway.backends.sglang import SglangDialect
 from gateway.backends.vllm import VllmDialect
@@ -29,4 +29,5 @@ __all__ = [
     "SglangDialect",
     "VllmDialect",
     "dialect_for",
+    "fetch_model_list",
 ]

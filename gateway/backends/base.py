@@ -26,6 +26,32 @@ class LoadFailed(Exception):
         self.status = status
 
 
+def parse_model_list(listing: Any) -> AdapterListing:
+    """Read an OpenAI model list: the first entry without ``parent`` is the base, the rest are adapters.
+
+    A missing ``root`` reads as ``""`` (the loader then sees a root that is not in its store).
+    """
+    base_name: str | None = None
+    base_root: str | None = None
+    adapters: dict[str, str] = {}
+    models = listing.get("data") if isinstance(listing, dict) else None
+    for model in models if isinstance(models, list) else []:
+        if not isinstance(model, dict) or "id" not in model:
+            continue
+        if model.get("parent"):
+            adapters[str(model["id"])] = str(model.get("root") or "")
+        elif base_name is None:
+            base_name, base_root = str(model["id"]), str(model.get("root") or "")
+    return AdapterListing(base_name, base_root, adapters)
+
+
+async def fetch_model_list(session: aiohttp.ClientSession, url: str) -> AdapterListing:
+    """``GET {url}/v1/models``, parsed by ``parse_model_list``; raises on a non-2xx answer."""
+    async with session.get(f"{url}/v1/models") as response:
+        response.raise_for_status()
+        return parse_model_list(await response.json(content_type=None))
+
+
 class BackendDialect(Protocol):
     name: str
     runtime_loading: bool

@@ -3,8 +3,6 @@
 kvgate can only route to the versions such a server lists in ``/v1/models``: it cannot load, unload,
 purge or name a cache namespace there. Safety then rests on versioned names alone, so a server must be
 restarted (with the new versioned names) for a new version to be served.
-
-Also holds ``parse_model_list``, the OpenAI ``/v1/models`` reading that other dialects share.
 """
 
 from __future__ import annotations
@@ -14,35 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import AdapterListing, LoadFailed
+from gateway.backends.base import AdapterListing, LoadFailed, fetch_model_list
 
 log = logging.getLogger(__name__)
-
-
-def parse_model_list(listing: Any) -> AdapterListing:
-    """Read an OpenAI model list: the first entry without ``parent`` is the base, the rest are adapters.
-
-    A missing ``root`` reads as ``""`` (the loader then sees a root that is not in its store).
-    """
-    base_name: str | None = None
-    base_root: str | None = None
-    adapters: dict[str, str] = {}
-    models = listing.get("data") if isinstance(listing, dict) else None
-    for model in models if isinstance(models, list) else []:
-        if not isinstance(model, dict) or "id" not in model:
-            continue
-        if model.get("parent"):
-            adapters[str(model["id"])] = str(model.get("root") or "")
-        elif base_name is None:
-            base_name, base_root = str(model["id"]), str(model.get("root") or "")
-    return AdapterListing(base_name, base_root, adapters)
-
-
-async def fetch_model_list(session: aiohttp.ClientSession, url: str) -> AdapterListing:
-    """``GET {url}/v1/models``, parsed by ``parse_model_list``; raises on a non-2xx answer."""
-    async with session.get(f"{url}/v1/models") as response:
-        response.raise_for_status()
-        return parse_model_list(await response.json(content_type=None))
 
 
 class GenericOpenAIDialect:

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import AdapterListing, LoadFailed
+from gateway.backends.base import AdapterListing, LoadFailed, fetch_model_list
 
 _ALREADY_LOADED = "has already been loaded"
 
@@ -23,17 +23,7 @@ class VllmDialect:
     cache_namespaces = True
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
-        async with session.get(f"{url}/v1/models") as response:
-            response.raise_for_status()
-            listing = await response.json()
-        base_name = base_root = None
-        adapters: dict[str, str] = {}
-        for model in listing.get("data", []):
-            if model.get("parent"):
-                adapters[str(model["id"])] = str(model.get("root") or "")
-            elif base_name is None:
-                base_name, base_root = str(model["id"]), str(model.get("root") or "")
-        return AdapterListing(base_name, base_root, adapters)
+        return await fetch_model_list(session, url)
 
     async def load(self, session: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
         body = {"lora_name": name, "lora_path": path, "load_inplace": False}

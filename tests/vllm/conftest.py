@@ -150,10 +150,3 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, objec
         text = await response.text()
         assert response.status == 200, f"{url} answered {response.status}: {text}"
         return text
-
-
-async def listed(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
-    """What a replica lists as loaded: adapter name -> root."""
-    async with http.get(f"{url}/v1/models") as response:
-        doc = await response.json()
-    return {m["id"]: m["root"] for m in doc["data"] if m.get("parent")}

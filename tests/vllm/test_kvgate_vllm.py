@@ -15,11 +15,12 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.backends import fetch_model_list
 from gateway.experiment import Sample, complete, fresh_salt, long_prompt
 from gateway.proxy import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json, listed
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 LOGICAL = "tenant-42"
@@ -72,7 +73,7 @@ async def test_new_version_is_coherent_on_every_replica(
         assert cold.cached_tokens == 0
         assert warm.agrees_with(cold), f"{replica.url}: warm {warm.text!r} != cold {cold.text!r}"
         assert warm.text != before[-1].text, "v2 must answer differently from v1"
-        assert (await listed(http, replica.url))[v2["name"]] == v2["path"]
+        assert (await fetch_model_list(http, replica.url)).adapters[v2["name"]] == v2["path"]
 
     headers = await openai_traffic(url, prompt)
     served = [s.evidence["x-kvgate-version"] for s in after] + [h["x-kvgate-version"] for h in headers]
@@ -80,7 +81,7 @@ async def test_new_version_is_coherent_on_every_replica(
     assert {s.model for s in after} == {LOGICAL}
 
     for _ in range(40):  # drain grace 1 s, then the sweeper unloads v1 everywhere
-        loaded = [await listed(http, replica.url) for replica in vllm_replicas]
+        loaded = [(await fetch_model_list(http, replica.url)).adapters for replica in vllm_replicas]
         if all(v1["name"] not in names for names in loaded):
             break
         await asyncio.sleep(0.25)
