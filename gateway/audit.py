@@ -31,7 +31,14 @@ from gateway.backends import fetch_model_list
 from gateway.errors import InvalidAdapter
 from gateway.experiment import Sample, complete, fresh_salt, long_prompt
 from gateway.identity import scan_adapter, tree_digest
-from gateway.proxy import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER
+from gateway.proxy import (
+    ADMIN_TOKEN_HEADER,
+    DIGEST_HEADER,
+    NAMESPACE_HEADER,
+    PIN_HEADER,
+    PREFIX_KEY_HEADER,
+    VERSION_HEADER,
+)
 
 COHERENT = "coherent"
 INCOHERENT = "incoherent-on-warm-hit"
@@ -104,6 +111,22 @@ def _judge_one(obs: Observation, reference: Observation, reference_digest: str |
     return verdict(COHERENT, detail)
 
 
+async def warm_and_cold(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: str,
+    colds: int,
+    *,
+    warm_salt: str | None = None,
+) -> tuple[tuple[Sample, ...], tuple[Sample, ...]]:
+    """Straight to a server: two warm runs in ``warm_salt``'s namespace (the server's default when None),
+    so the second hits the cache, then ``colds`` runs, each in a fresh namespace."""
+    warm = [await complete(http, url, model, prompt, cache_salt=warm_salt) for _ in range(2)]
+    cold = [await complete(http, url, model, prompt, cache_salt=fresh_salt()) for _ in range(colds)]
+    return tuple(warm), tuple(cold)
+
+
 class AuditTarget(Protocol):
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]: ...
 
@@ -125,12 +148,9 @@ class DirectTarget:
     async def observe(
         self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
     ) -> Observation:
-        warm = [await complete(http, replica, self.model, prompt) for _ in range(2)]
-        cold = [
-            await complete(http, replica, self.model, prompt, cache_salt=fresh_salt()) for _ in range(colds)
-        ]
+        warm, cold = await warm_and_cold(http, replica, self.model, prompt, colds)
         root = (await fetch_model_list(http, replica)).adapters.get(self.model)
-        return Observation(replica, self.model, _digest_of(root), root, None, tuple(warm), tuple(cold))
+        return Observation(replica, self.model, _digest_of(root), root, None, warm, cold)
 
 
 @dataclass(frozen=True)
@@ -155,11 +175,11 @@ class GatewayTarget:
             for _ in range(colds)
         ]
         evidence = warm[-1].evidence
-        served = evidence.get("x-kvgate-version", self.logical_id)
+        served = evidence.get(VERSION_HEADER, self.logical_id)
         view = {r["url"]: r for r in await self._replica_view(http)}
         root = view.get(replica, {}).get("adapters", {}).get(served)
         return Observation(
-            replica, served, evidence.get("x-kvgate-digest"), root, evidence.get("x-kvgate-prefix-key"),
+            replica, served, evidence.get(DIGEST_HEADER), root, evidence.get(PREFIX_KEY_HEADER),
             tuple(warm), tuple(cold),
         )  # fmt: skip
 

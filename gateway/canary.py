@@ -13,8 +13,8 @@ import time
 
 import aiohttp
 
-from gateway.audit import Observation, judge
-from gateway.experiment import Sample, complete, fresh_salt, long_prompt
+from gateway.audit import COHERENT, Observation, judge, warm_and_cold
+from gateway.experiment import long_prompt
 from gateway.metrics import Metrics
 from gateway.proxy import cache_salt
 from gateway.replicas import ReplicaPool
@@ -62,16 +62,13 @@ class Canary:
         salt = cache_salt(self.snapshot.generation, version)
         observations = []
         for replica in eligible(self.pool.replicas, version, with_root=self.base_with_root):
-            session, url, name = self.pool.session, replica.url, version.name
-            warm = [await complete(session, url, name, CANARY_PROMPT, cache_salt=salt) for _ in range(2)]
-            cold: list[Sample] = [
-                await complete(session, url, name, CANARY_PROMPT, cache_salt=fresh_salt()) for _ in range(2)
-            ]
+            url, name = replica.url, version.name
+            warm, cold = await warm_and_cold(self.pool.session, url, name, CANARY_PROMPT, 2, warm_salt=salt)
             root = replica.listing.adapters.get(name)
-            observations.append(Observation(url, name, version.digest, root, None, tuple(warm), tuple(cold)))
+            observations.append(Observation(url, name, version.digest, root, None, warm, cold))
         for verdict in judge(observations, version.digest) if observations else []:
             self.metrics.audits.labels(logical_id, verdict.replica, verdict.verdict).inc()
-            if verdict.verdict != "coherent":
+            if verdict.verdict != COHERENT:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail
                 )

@@ -20,7 +20,6 @@ from typing import Any
 
 import aiohttp
 import uvloop
-from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from redis.asyncio import Redis
 
@@ -42,8 +41,10 @@ from gateway.config import Settings, load_settings
 from gateway.epoch_table import EpochTable
 from gateway.errors import BadRequest, KvgateError
 from gateway.identity import check_logical_id, scan_adapter, versioned_name
+from gateway.invalidation import PURGE_ALL, VERSION_SCOPED
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
+from gateway.serving import running
 from gateway.store import AdapterStore
 from gateway.tracing import tracer_from, tracer_provider_from_env
 
@@ -69,9 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
     serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
-    serve.add_argument(
-        "--invalidation", choices=("version-scoped", "purge-all"), help="default version-scoped"
-    )
+    serve.add_argument("--invalidation", choices=(VERSION_SCOPED, PURGE_ALL), help="default version-scoped")
     serve.add_argument("--canary-interval", type=float, help="seconds between canary audits (0: off)")
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
@@ -206,19 +205,13 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
     async with open_table(settings, tracing) as table:
         app = build_app(settings, table.redis, tracer_provider=tracing)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        logging.getLogger("gateway").info("kvgate listening on http://%s:%s", settings.host, settings.port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
+        async with running(app, settings.host, settings.port) as url:
+            logging.getLogger("gateway").info("kvgate listening on %s", url)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-        finally:
-            await runner.cleanup()
 
 
 async def cmd_audit(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> int:

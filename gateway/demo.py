@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.app import build_app
@@ -24,8 +23,9 @@ from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
+from gateway.serving import free_port, running
 from gateway.store import AdapterStore
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, free_port, start_replicas
+from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 LOGICAL_ID = "tenant-42"
 DEMO_TOKEN = "demo-admin-token"
@@ -103,29 +103,22 @@ async def through_kvgate(
     )
     redis = Redis.from_url(redis_url)
     table = EpochTable(redis)
-    runner = web.AppRunner(build_app(settings, redis), access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    target = GatewayTarget(f"http://127.0.0.1:{port}", LOGICAL_ID, DEMO_TOKEN)
-
-    async def publish_v2() -> str | None:
-        v2 = await publish_adapter(
-            table, store, LOGICAL_ID, fixture_dir / "adapters" / "v2", settings.base_identity
-        )
-        print(f"published v2: {v2.name} (epoch {v2.change.epoch}, {v2.path})", flush=True)
-        await target.until_serving(http, v2.digest)
-        return v2.digest
-
     try:
-        v1 = await publish_adapter(
-            table, store, LOGICAL_ID, fixture_dir / "adapters" / "v1", settings.base_identity
-        )
-        print(f"published v1: {v1.name} (epoch {v1.change.epoch}, {v1.path})", flush=True)
-        await target.until_serving(http, v1.digest)
-        _, after = await audit_before_after(http, target, publish_v2)
+        async with running(build_app(settings, redis)) as url:
+            target = GatewayTarget(url, LOGICAL_ID, DEMO_TOKEN)
+
+            async def publish(version: str) -> str | None:
+                adapter = fixture_dir / "adapters" / version
+                done = await publish_adapter(table, store, LOGICAL_ID, adapter, settings.base_identity)
+                print(
+                    f"published {version}: {done.name} (epoch {done.change.epoch}, {done.path})", flush=True
+                )
+                await target.until_serving(http, done.digest)
+                return done.digest
+
+            await publish("v1")
+            _, after = await audit_before_after(http, target, lambda: publish("v2"))
     finally:
-        await runner.cleanup()
         await redis.aclose()
     print("\n" + render("audit through kvgate, after publishing v2:", after), flush=True)
     return [Row("through kvgate", verdict) for verdict in after]

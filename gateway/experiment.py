@@ -13,13 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-KVGATE_HEADERS = (
-    "x-kvgate-version",
-    "x-kvgate-digest",
-    "x-kvgate-epoch",
-    "x-kvgate-replica",
-    "x-kvgate-prefix-key",
-)
+from gateway.proxy import EVIDENCE_HEADERS
 
 _SENTENCES = (
     "The harbor master counted the boats that came in with the evening tide.",
@@ -83,7 +77,7 @@ async def complete(
         if response.status != 200:
             raise RuntimeError(f"{base_url} answered {response.status}: {await response.text()}")
         doc = await response.json()
-        evidence = {name: response.headers[name] for name in KVGATE_HEADERS if name in response.headers}
+        evidence = {name: response.headers[name] for name in EVIDENCE_HEADERS if name in response.headers}
     choice = doc["choices"][0]
     usage = doc.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}

@@ -46,6 +46,13 @@ from gateway.routing import Choice, choose, eligible, same_base
 from gateway.snapshot import Snapshot
 
 SALT_PREFIX = "kvg-"
+VERSION_HEADER = "x-kvgate-version"
+DIGEST_HEADER = "x-kvgate-digest"
+EPOCH_HEADER = "x-kvgate-epoch"
+REPLICA_HEADER = "x-kvgate-replica"
+PREFIX_KEY_HEADER = "x-kvgate-prefix-key"
+EVIDENCE_HEADERS = (VERSION_HEADER, DIGEST_HEADER, EPOCH_HEADER, REPLICA_HEADER, PREFIX_KEY_HEADER)
+"""Response headers that say which effective model answered."""
 PIN_HEADER = "x-kvgate-pin"
 NAMESPACE_HEADER = "x-kvgate-namespace"  # "cold": a fresh, throwaway cache namespace (audits)
 ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
@@ -403,13 +410,13 @@ def _model_rewrite(versioned: str, logical: str) -> _ModelRewrite:
 
 
 def _evidence(target: Target, replica: Replica) -> dict[str, str]:
-    headers = {"x-kvgate-replica": replica.url}
+    headers = {REPLICA_HEADER: replica.url}
     if target.version is not None:
-        headers["x-kvgate-version"] = target.version.name
-        headers["x-kvgate-digest"] = target.version.digest
-        headers["x-kvgate-epoch"] = str(target.version.epoch)
+        headers[VERSION_HEADER] = target.version.name
+        headers[DIGEST_HEADER] = target.version.digest
+        headers[EPOCH_HEADER] = str(target.version.epoch)
     if target.keys:
-        headers["x-kvgate-prefix-key"] = target.keys[0].hex()
+        headers[PREFIX_KEY_HEADER] = target.keys[0].hex()
     return headers
 
 

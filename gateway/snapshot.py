@@ -44,10 +44,9 @@ class Snapshot:
 
     def replace(self, view: TableView) -> None:
         for logical_id in self._states.keys() - view.states.keys():
-            self._retire(self._states[logical_id])
+            self.put(logical_id, None)
         for state in view.states.values():
             self.put(state.logical_id, state)
-        self._states = dict(view.states)
         self.generation = view.generation
         self.refreshed_at = time.monotonic()
         self.flushed = False

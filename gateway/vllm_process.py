@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,14 +98,6 @@ class VllmReplicaSpec:
         else:
             env.pop("VLLM_SERVER_DEV_MODE", None)
         return env
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _log_tail(path: Path) -> str:

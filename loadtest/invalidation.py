@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.app import build_app
@@ -33,8 +32,9 @@ from gateway.epoch_table import EpochTable
 from gateway.metrics import Metrics
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
+from gateway.serving import free_port, running
 from gateway.store import AdapterStore
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, free_port, start_replicas
+from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 STRATEGIES = ("version-scoped", "purge-all")
 TOKEN = "loadtest-admin-token"
@@ -113,39 +113,31 @@ async def run_strategy(
         admin_token=TOKEN,
     )
     metrics = Metrics()
-    runner = web.AppRunner(build_app(settings, redis, metrics=metrics), access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     names = [f"tenant-{i}" for i in range(tenants)]
     adapters = [fixture_dir / "adapters" / f"v{(i % 2) + 1}" for i in range(tenants)]
     observations: list[Observation] = []
-    try:
-        async with aiohttp.ClientSession() as http:
-            for name, adapter in zip(names, adapters, strict=True):
-                done = await publish_adapter(table, store, name, adapter, settings.base_identity)
-                await GatewayTarget(url, name, TOKEN).until_serving(http, done.digest)
+    async with running(build_app(settings, redis, metrics=metrics)) as url, aiohttp.ClientSession() as http:
+        for name, adapter in zip(names, adapters, strict=True):
+            done = await publish_adapter(table, store, name, adapter, settings.base_identity)
+            await GatewayTarget(url, name, TOKEN).until_serving(http, done.digest)
 
-            async def traffic(phase: str) -> None:
-                for k in range(rounds):
-                    for i, name in enumerate(names):
-                        prompt = f"{system_prompt(i)} Question {phase} {k}: what is next?"
-                        ratio, ttft = await streamed_request(http, url, name, prompt)
-                        observations.append(
-                            Observation(strategy, name, i == 0, phase, len(observations), ratio, ttft)
-                        )
+        async def traffic(phase: str) -> None:
+            for k in range(rounds):
+                for i, name in enumerate(names):
+                    prompt = f"{system_prompt(i)} Question {phase} {k}: what is next?"
+                    ratio, ttft = await streamed_request(http, url, name, prompt)
+                    observations.append(
+                        Observation(strategy, name, i == 0, phase, len(observations), ratio, ttft)
+                    )
 
-            await traffic("before")
-            update = await publish_adapter(table, store, names[0], fixture_dir / "adapters" / "v3", "base")
-            await GatewayTarget(url, names[0], TOKEN).until_serving(http, update.digest)
-            if strategy == "purge-all":
-                await _until_purged(metrics, replicas)
-            await traffic("after")
-            verdicts = await audit_round(http, GatewayTarget(url, names[0], TOKEN))
-            audits[strategy] = ", ".join(sorted({v.verdict for v in verdicts}))
-    finally:
-        await runner.cleanup()
+        await traffic("before")
+        update = await publish_adapter(table, store, names[0], fixture_dir / "adapters" / "v3", "base")
+        await GatewayTarget(url, names[0], TOKEN).until_serving(http, update.digest)
+        if strategy == "purge-all":
+            await _until_purged(metrics, replicas)
+        await traffic("after")
+        verdicts = await audit_round(http, GatewayTarget(url, names[0], TOKEN))
+        audits[strategy] = ", ".join(sorted({v.verdict for v in verdicts}))
     return observations
 
 

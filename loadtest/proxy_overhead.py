@@ -45,8 +45,8 @@ from types import FrameType
 
 import aiohttp
 
+from gateway.serving import free_port
 from loadtest.hotspots import summarize, summarize_pstats
-from tests.stub_backend import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")

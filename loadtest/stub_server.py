@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import signal
 
-from tests.stub_backend import StubState, build_stub, run_app
+from gateway.serving import running
+from tests.stub_backend import StubState, build_stub
 
 
 async def serve(port: int, chunks: int) -> None:
@@ -20,7 +21,7 @@ async def serve(port: int, chunks: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with run_app(app, port):
+    async with running(app, port=port):
         trim = asyncio.ensure_future(_trim_received(state, stop))
         await stop.wait()
         await trim

@@ -7,9 +7,6 @@ last request body it received so tests can see exactly what kvgate forwarded.
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +29,6 @@ class StubState:
 
 
 STUB = web.AppKey("stub", StubState)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -128,15 +119,3 @@ def build_stub(state: StubState) -> web.Application:
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
     return app
-
-
-@asynccontextmanager
-async def run_app(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = port or free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()

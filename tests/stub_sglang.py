@@ -5,7 +5,7 @@ Runtime LoRA: ``POST /load_lora_adapter {lora_name, lora_path, pinned}`` and ``P
 same-name load is refused until the name is unloaded. ``/v1/models`` lists the base and, like newer
 SGLang, the loaded adapters; ``list_adapters=False`` acts like older SGLang, which lists the base only.
 ``/flush_cache`` answers 400 while ``busy``. Completions record the bodies they received.
-``run_sglang_stub`` serves it with ``tests.stub_backend.run_app``.
+``run_sglang_stub`` serves it with ``gateway.serving.running``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.stub_backend import free_port, run_app
+from gateway.serving import running
 
-__all__ = ["SGLANG_STUB", "SglangStubState", "build_sglang_stub", "free_port", "run_sglang_stub"]
+__all__ = ["SGLANG_STUB", "SglangStubState", "build_sglang_stub", "run_sglang_stub"]
 
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -142,5 +142,5 @@ def build_sglang_stub(state: SglangStubState) -> web.Application:
 @asynccontextmanager
 async def run_sglang_stub(state: SglangStubState, port: int | None = None) -> AsyncIterator[str]:
     """Serve a stub for ``state`` on 127.0.0.1 and yield its base URL."""
-    async with run_app(build_sglang_stub(state), port) as url:
+    async with running(build_sglang_stub(state), port=port) as url:
         yield url

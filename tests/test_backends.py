@@ -19,7 +19,8 @@ from gateway.backends import (
     VllmDialect,
     dialect_for,
 )
-from tests.stub_backend import StubState, build_stub, free_port, run_app
+from gateway.serving import free_port, running
+from tests.stub_backend import StubState, build_stub
 from tests.stub_sglang import SglangStubState, run_sglang_stub
 
 NAME = "tenant-42@0123456789abcdef"
@@ -156,7 +157,7 @@ async def test_sglang_reads_loaded_adapters_given_as_lora_refs(session: aiohttp.
         "/load_lora_adapter": (200, {"success": True, "error_message": "", "loaded_adapters": {NAME: ref}}),
     }
     dialect = SglangDialect()
-    async with run_app(canned(answers)) as url:
+    async with running(canned(answers)) as url:
         await dialect.load(session, url, NAME, PATH)
         assert (await dialect.list_adapters(session, url)).adapters == {NAME: PATH}
 
@@ -170,7 +171,7 @@ async def test_sglang_unload(session: aiohttp.ClientSession) -> None:
 
 
 async def test_sglang_unload_failure_raises(session: aiohttp.ClientSession) -> None:
-    async with run_app(canned({"/unload_lora_adapter": (500, "Internal Server Error")})) as url:
+    async with running(canned({"/unload_lora_adapter": (500, "Internal Server Error")})) as url:
         with pytest.raises(LoadFailed, match="Internal Server Error") as failed:
             await SglangDialect().unload(session, url, NAME)
     assert failed.value.status == 500
@@ -187,7 +188,7 @@ async def test_sglang_purge(session: aiohttp.ClientSession) -> None:
 
 
 async def test_sglang_purge_failure_raises(session: aiohttp.ClientSession) -> None:
-    async with run_app(canned({"/flush_cache": (503, "Service Unavailable")})) as url:
+    async with running(canned({"/flush_cache": (503, "Service Unavailable")})) as url:
         with pytest.raises(LoadFailed, match="Service Unavailable") as failed:
             await SglangDialect().purge_prefix_cache(session, url)
     assert failed.value.status == 503
@@ -207,21 +208,21 @@ async def test_sglang_namespace_is_extra_key(session: aiohttp.ClientSession) -> 
 
 async def test_generic_lists_adapters_fixed_at_start(session: aiohttp.ClientSession) -> None:
     state = StubState(base="base", base_root="/models/tiny", adapters={NAME: PATH})
-    async with run_app(build_stub(state)) as url:
+    async with running(build_stub(state)) as url:
         listing = await GenericOpenAIDialect().list_adapters(session, url)
     assert (listing.base_name, listing.base_root, listing.adapters) == ("base", "/models/tiny", {NAME: PATH})
 
 
 async def test_generic_listing_without_roots(session: aiohttp.ClientSession) -> None:
     data = [{"id": "base", "object": "model"}, {"id": NAME, "object": "model", "parent": "base"}]
-    async with run_app(canned({"/v1/models": (200, {"object": "list", "data": data})})) as url:
+    async with running(canned({"/v1/models": (200, {"object": "list", "data": data})})) as url:
         listing = await GenericOpenAIDialect().list_adapters(session, url)
     assert (listing.base_name, listing.base_root, listing.adapters) == ("base", "", {NAME: ""})
 
 
 async def test_generic_refuses_to_load(session: aiohttp.ClientSession) -> None:
     state = StubState()
-    async with run_app(build_stub(state)) as url:
+    async with running(build_stub(state)) as url:
         with pytest.raises(LoadFailed, match="fixed at start") as failed:
             await GenericOpenAIDialect().load(session, url, NAME, PATH)
     assert f"start the server with {NAME} from {PATH}" in failed.value.reason
@@ -233,14 +234,14 @@ async def test_generic_unload_only_logs(
 ) -> None:
     state = StubState(adapters={NAME: PATH})
     caplog.set_level(logging.INFO, logger="gateway.backends.generic")
-    async with run_app(build_stub(state)) as url:
+    async with running(build_stub(state)) as url:
         await GenericOpenAIDialect().unload(session, url, NAME)
     assert state.adapters == {NAME: PATH}
     assert NAME in caplog.text
 
 
 async def test_generic_cannot_purge_or_namespace(session: aiohttp.ClientSession) -> None:
-    async with run_app(build_stub(StubState())) as url:
+    async with running(build_stub(StubState())) as url:
         with pytest.raises(LoadFailed, match="not supported"):
             await GenericOpenAIDialect().purge_prefix_cache(session, url)
     body: dict[str, Any] = {"model": NAME, "prompt": "hi"}

@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from gateway.redis_server import EmbeddedRedis
+from gateway.serving import free_port, running
 from tests.conftest import MakeAdapter
-from tests.stub_backend import StubState, build_stub, free_port, run_app
+from tests.stub_backend import StubState, build_stub
 
 
 def kvgate(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -118,7 +119,7 @@ async def test_serve_runs_with_its_own_redis_and_stops_cleanly(
     data = tmp_path / "kvgate"
     published = ok("publish", "tenant-42", str(make_adapter(b"v1")), data_dir=data)
     stub = StubState()
-    async with run_app(build_stub(stub)) as stub_url:
+    async with running(build_stub(stub)) as stub_url:
         port = free_port()
         command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port", str(port),
                    "--data-dir", str(data), "--store", str(data / "store")]  # fmt: skip

@@ -14,9 +14,10 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.publish import publish_adapter
+from gateway.serving import running
 from gateway.store import AdapterStore
 from tests.conftest import MakeAdapter
-from tests.stub_backend import StubState, build_stub, run_app
+from tests.stub_backend import StubState, build_stub
 
 
 async def test_traceparent_is_propagated_and_spans_cover_load(
@@ -28,9 +29,9 @@ async def test_traceparent_is_propagated_and_spans_cover_load(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     stub = StubState()
-    async with run_app(build_stub(stub)) as stub_url:
+    async with running(build_stub(stub)) as stub_url:
         settings = Settings(replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1)
-        async with run_app(build_app(settings, redis, tracer_provider=provider)) as url:
+        async with running(build_app(settings, redis, tracer_provider=provider)) as url:
             body = {"model": "tenant-42", "prompt": "p" * 600, "max_tokens": 1}
             async with (
                 aiohttp.ClientSession() as http,

@@ -18,9 +18,10 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.identity import versioned_name
+from gateway.serving import running
 from gateway.store import AdapterStore
 from tests.conftest import MakeAdapter
-from tests.stub_backend import StubState, build_stub, run_app
+from tests.stub_backend import StubState, build_stub
 
 Gateway = Callable[..., AbstractAsyncContextManager[str]]
 
@@ -53,7 +54,7 @@ def gateway(redis: Redis, store: AdapterStore) -> Gateway:
             drain_grace=overrides.pop("drain_grace", 0.2),
             **overrides,
         )
-        async with run_app(build_app(settings, redis)) as url:
+        async with running(build_app(settings, redis)) as url:
             yield url
 
     return start
@@ -62,11 +63,11 @@ def gateway(redis: Redis, store: AdapterStore) -> Gateway:
 @asynccontextmanager
 async def stubs(count: int) -> AsyncIterator[list[tuple[str, StubState]]]:
     states = [StubState() for _ in range(count)]
-    async with run_app(build_stub(states[0])) as a:
+    async with running(build_stub(states[0])) as a:
         if count == 1:
             yield [(a, states[0])]
             return
-        async with run_app(build_stub(states[1])) as b:
+        async with running(build_stub(states[1])) as b:
             yield [(a, states[0]), (b, states[1])]
 
 
@@ -229,7 +230,7 @@ async def test_failed_load_is_503_with_backend_reason(gateway: Gateway, publish:
 
 async def test_unreachable_backend_is_502(gateway: Gateway) -> None:
     state = StubState()
-    async with run_app(build_stub(state)) as stub_url:
+    async with running(build_stub(state)) as stub_url:
         gateway_cm = gateway([stub_url], poll_interval=60)
         url = await gateway_cm.__aenter__()
     try:  # the stub is gone, the pool still thinks it is healthy until its next poll
@@ -316,8 +317,8 @@ async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
     assert state is not None
     survivor, doomed = StubState(), StubState()
     survivor.adapters[state.name] = doomed.adapters[state.name] = state.path  # eligible on both
-    async with run_app(build_stub(survivor)) as survivor_url:
-        doomed_app = run_app(build_stub(doomed))
+    async with running(build_stub(survivor)) as survivor_url:
+        doomed_app = running(build_stub(doomed))
         doomed_url = await doomed_app.__aenter__()
         async with gateway([doomed_url, survivor_url], poll_interval=60) as url, client(url) as api:
             await doomed_app.__aexit__(None, None, None)  # gone; the pool still thinks it is healthy
@@ -332,8 +333,8 @@ async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
 async def test_a_replica_dead_at_load_time_is_skipped(gateway: Gateway, publish: Any) -> None:
     v1 = await publish("tenant-42", b"v1")
     survivor, doomed = StubState(), StubState()
-    async with run_app(build_stub(survivor)) as survivor_url:
-        doomed_app = run_app(build_stub(doomed))
+    async with running(build_stub(survivor)) as survivor_url:
+        doomed_app = running(build_stub(doomed))
         doomed_url = await doomed_app.__aenter__()
         async with gateway([doomed_url, survivor_url], poll_interval=60) as url, client(url) as api:
             await doomed_app.__aexit__(None, None, None)  # the first pick for the load, now gone

@@ -13,9 +13,10 @@ from gateway.config import Settings
 from gateway.epoch_table import EpochTable
 from gateway.publish import publish_adapter
 from gateway.redis_server import EmbeddedRedis
+from gateway.serving import running
 from gateway.store import AdapterStore
 from tests.conftest import MakeAdapter
-from tests.stub_backend import StubState, build_stub, run_app
+from tests.stub_backend import StubState, build_stub
 
 
 async def health(http: aiohttp.ClientSession, url: str) -> dict[str, object]:
@@ -32,11 +33,11 @@ async def test_requests_keep_flowing_while_redis_is_down(make_adapter: MakeAdapt
     published = await publish_adapter(EpochTable(redis), store, "tenant-42", make_adapter(b"v1"), "base")
     body = {"model": "tenant-42", "prompt": "p", "max_tokens": 1}
     try:
-        async with run_app(build_stub(StubState())) as stub_url:
+        async with running(build_stub(StubState())) as stub_url:
             settings = Settings(
                 replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1
             )
-            async with run_app(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
+            async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
                 async with http.post(f"{url}/v1/completions", json=body) as response:
                     assert response.status == 200  # loads v1 (the load lock needs Redis)
 

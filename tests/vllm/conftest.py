@@ -28,9 +28,9 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, free_port, start_replicas
+from gateway.serving import free_port, running
+from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from tests.conftest import flushed_client
-from tests.stub_backend import run_app
 
 
 def _required_path(variable: str) -> Path:
@@ -113,7 +113,7 @@ def make_gateway(vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_pat
         metrics = Metrics()
         app = build_app(settings, session_redis, tracer_provider=provider, metrics=metrics)
         try:
-            async with run_app(app) as url:
+            async with running(app) as url:
                 yield Gateway(url, settings.store, spans, metrics)
         finally:
             provider.shutdown()
