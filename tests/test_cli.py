@@ -154,3 +154,29 @@ def test_otel_console_exporter_traces_cli_mutations(make_adapter: MakeAdapter, t
     assert '"name": "kvgate.publish"' in done.stdout
     assert '"kvgate.logical_id": "tenant-42"' in done.stdout
     assert '"service.name": "kvgate-test"' in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (("audit", "--direct", "http://127.0.0.1:9"), "--direct needs --model"),
+        (("audit", "tenant-42"), "--gateway URL and an admin token"),
+        (("audit", "--direct", "http://127.0.0.1:9", "--model", "m", "--before-after"), "needs --reload-cmd"),
+        (("audit", "tenant-42", "--gateway", "http://127.0.0.1:9", "--admin-token", "t", "--before-after"),
+         "needs --publish"),
+    ],
+)  # fmt: skip
+def test_audit_refuses_incoherent_arguments(args: tuple[str, ...], reason: str, tmp_path: Path) -> None:
+    done = kvgate(*args, data_dir=tmp_path / "kvgate")
+    assert done.returncode == 2
+    assert reason in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_audit_of_an_unreachable_server_fails_with_one_line(tmp_path: Path) -> None:
+    done = kvgate(
+        "audit", "--direct", f"http://127.0.0.1:{free_port()}", "--model", "m", data_dir=tmp_path / "k"
+    )
+    assert done.returncode == 1
+    assert "kvgate audit:" in done.stderr
+    assert "Traceback" not in done.stderr

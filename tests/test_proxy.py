@@ -341,3 +341,41 @@ async def test_a_replica_dead_at_load_time_is_skipped(gateway: Gateway, publish:
             raw = await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
     assert raw.headers["x-kvgate-replica"] == survivor_url
     assert (doomed.loads, survivor.loads) == ([], [v1])
+
+
+async def test_admin_surface_refuses_missing_or_wrong_tokens(gateway: Gateway, publish: Any) -> None:
+    await publish("tenant-42", b"v1")
+    body = json.dumps({"model": "tenant-42", "prompt": "p", "max_tokens": 1}).encode()
+    async with stubs(1) as backends:
+        stub_url = backends[0][0]
+        async with gateway([stub_url], admin_token="right") as url, aiohttp.ClientSession() as http:
+
+            async def status(path: str, method: str = "GET", **headers: str) -> tuple[int, dict[str, Any]]:
+                async with http.request(method, f"{url}{path}", headers=headers, data=body) as response:
+                    return response.status, await response.json()
+
+            no_token = await status("/kvgate/status")
+            wrong = await status("/kvgate/status", **{"x-kvgate-admin-token": "wrong"})
+            pin_wrong = await status("/v1/completions", "POST", **{"x-kvgate-pin": stub_url})
+            cold_wrong = await status("/v1/completions", "POST", **{"x-kvgate-namespace": "cold"})
+            pin_unknown = await status(
+                "/v1/completions",
+                "POST",
+                **{"x-kvgate-pin": "http://elsewhere:1", "x-kvgate-admin-token": "right"},
+            )
+            ok = await status("/kvgate/status", **{"x-kvgate-admin-token": "right"})
+    for code, doc in (no_token, wrong, pin_wrong, cold_wrong):
+        assert code == 401
+        assert doc["error"]["type"] == "authentication_error"
+    assert pin_unknown[0] == 400
+    assert "not one of this pool's replicas" in pin_unknown[1]["error"]["message"]
+    assert ok[0] == 200
+    assert list(ok[1]["versions"]) == ["tenant-42"]
+    assert backends[0][1].received == [], "refused requests never reach a replica"
+
+
+async def test_admin_surface_is_off_without_a_configured_token(gateway: Gateway) -> None:
+    async with stubs(1) as backends, gateway([backends[0][0]]) as url, aiohttp.ClientSession() as http:
+        headers = {"x-kvgate-admin-token": ""}
+        async with http.get(f"{url}/kvgate/status", headers=headers) as response:
+            assert response.status == 401
