@@ -43,10 +43,15 @@ class Snapshot:
         return {state.name for state in self._states.values()}
 
     def replace(self, view: TableView) -> None:
-        for logical_id in self._states.keys() - view.states.keys():
+        new_table = bool(self.generation) and view.generation != self.generation
+        gone = self._states.keys() if new_table else self._states.keys() - view.states.keys()
+        for logical_id in list(gone):  # a new generation (Redis came back empty): nothing carries over
             self.put(logical_id, None)
         for state in view.states.values():
             self.put(state.logical_id, state)
+        if new_table:  # epochs restarted under a new generation: every namespace changed
+            for logical_id in view.states:
+                self.on_epoch_change(logical_id)
         self.generation = view.generation
         self.refreshed_at = time.monotonic()
         self.flushed = False
