@@ -17,20 +17,21 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
-from gateway.backends import dialect_for
-from gateway.canary import Canary
 from gateway.config import Settings
-from gateway.epoch_table import EpochTable
-from gateway.errors import BodyTooLarge, KvgateError
-from gateway.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
-from gateway.loader import AdapterLoader
-from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.core.errors import BodyTooLarge, KvgateError
+from gateway.core.scheduler import Scheduler
+from gateway.fleet.backends import dialect_for
+from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
+from gateway.fleet.loader import AdapterLoader
+from gateway.fleet.replicas import ReplicaPool
 from gateway.periodic import periodically
-from gateway.prefix import PrefixIndex
-from gateway.proxy import Proxy, ProxyOptions
-from gateway.replicas import ReplicaPool
-from gateway.snapshot import Snapshot, SnapshotSync
-from gateway.tracing import tracer_from
+from gateway.proof.canary import Canary
+from gateway.request.admin import Admin, list_models
+from gateway.request.proxy import Proxy, ProxyOptions
+from gateway.table.epoch_table import EpochTable
+from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.telemetry.tracing import tracer_from
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ PROXY = web.AppKey("proxy", Proxy)
 METRICS = web.AppKey("metrics", Metrics)
 TRACER = web.AppKey("tracer", Tracer)
 PURGER = web.AppKey("purger", PurgeAll)
+ADMIN = web.AppKey("admin", Admin)
+ACTIVITY = web.AppKey("activity", dict[str, float])
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -93,6 +96,7 @@ def build_app(
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
+    app[ACTIVITY] = {}
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_replica_poller)
@@ -104,10 +108,10 @@ def build_app(
         return await request.app[PROXY].handle(request)
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[PROXY].list_models(request)
+        return list_models(request.app[SNAPSHOT], request.app[SETTINGS].base_model)
 
     async def status_handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[PROXY].status(request)
+        return await request.app[ADMIN].status(request)
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
         body = request.app[METRICS].exposition()
@@ -154,25 +158,27 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             drain_grace=settings.drain_grace,
             load_timeout=settings.load_timeout,
             lock_ttl=settings.lock_ttl,
-            base_with_root=with_root,
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
+        scheduler = Scheduler(settings.prefix_index_entries)
+        token = settings.admin_token.get_secret_value() if settings.admin_token else None
+        app[ADMIN] = Admin(token, app[SNAPSHOT], app[POOL], scheduler.index)
         options = ProxyOptions(
             base_model=settings.base_model,
             base_identity=settings.base_identity,
-            base_with_root=with_root,
             max_body_bytes=settings.max_body_bytes,
-            admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
             namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
             app[POOL],
             app[LOADER],
+            scheduler,
+            app[ADMIN],
             dialect,
             options,
-            index=PrefixIndex(settings.prefix_index_entries),
+            activity=app[ACTIVITY],
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
@@ -212,10 +218,7 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     if not interval:
         yield
         return
-    proxy = app[PROXY]
-    canary = Canary(
-        app[SNAPSHOT], app[POOL], proxy.activity, app[METRICS], base_with_root=proxy.options.base_with_root
-    )
+    canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS])
     async with _background(periodically(interval, canary.run_round)):
         yield
 

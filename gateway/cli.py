@@ -23,8 +23,15 @@ import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from redis.asyncio import Redis
 
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
-from gateway.audit import (
+from gateway.config import Settings, load_settings
+from gateway.core.errors import BadRequest, KvgateError
+from gateway.core.identity import check_logical_id, scan_adapter, versioned_name
+from gateway.fleet.backends import DIALECTS, dialect_for
+from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
+from gateway.proof.audit import (
     AuditTarget,
     DirectTarget,
     GatewayTarget,
@@ -35,18 +42,11 @@ from gateway.audit import (
     render,
     run_shell,
 )
-from gateway.audit import to_json as audit_json
-from gateway.backends import DIALECTS, dialect_for
-from gateway.config import Settings, load_settings
-from gateway.epoch_table import EpochTable
-from gateway.errors import BadRequest, KvgateError
-from gateway.identity import check_logical_id, scan_adapter, versioned_name
-from gateway.invalidation import PURGE_ALL, VERSION_SCOPED
-from gateway.publish import publish_adapter
-from gateway.redis_server import EmbeddedRedis
+from gateway.proof.audit import to_json as audit_json
 from gateway.serving import running
-from gateway.store import AdapterStore
-from gateway.tracing import tracer_from, tracer_provider_from_env
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.tracing import tracer_from, tracer_provider_from_env
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.core.identity import base_identity
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", frozen=True)
@@ -68,10 +70,6 @@ class Settings(BaseSettings):
     def base_identity(self) -> str:
         """The pool's base model identity, recorded with every published version."""
         return base_identity(self.base_model, self.base_model_root)
-
-
-def base_identity(name: str, root: str | None) -> str:
-    return name if root is None else f"{name}={root}"
 
 
 def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Settings:

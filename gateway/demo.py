@@ -17,14 +17,14 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
-from gateway.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
 from gateway.config import Settings
-from gateway.epoch_table import EpochTable
-from gateway.publish import publish_adapter
-from gateway.redis_server import EmbeddedRedis
+from gateway.proof.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
 from gateway.serving import free_port, running
-from gateway.store import AdapterStore
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 LOGICAL_ID = "tenant-42"

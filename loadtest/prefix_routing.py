@@ -2,11 +2,11 @@
 
 A deterministic (seeded) discrete-event **simulation**: no vLLM, no HTTP. What is real is kvgate's code:
 every request's block keys come from ``gateway.prefix.block_keys`` over ``gateway.prefix.prompt_text`` of
-a chat body, salted per tenant with ``gateway.proxy.cache_salt``; candidates come from
-``gateway.routing.eligible`` over real ``gateway.replicas.Replica`` objects (healthy, with an
+a chat body, salted per tenant with ``gateway.core.wire.cache_salt``; candidates come from
+``gateway.core.scheduler.eligible`` over real ``gateway.fleet.replicas.Replica`` objects (healthy, with an
 ``AdapterListing`` that lists every tenant's version); in-flight counts move through ``Replica.begin`` /
-``Replica.end``; and the ``kvgate`` policy is ``gateway.routing.choose`` with a ``PrefixIndex`` that, as
-in ``gateway/proxy.py``, records a request's keys on the replica that served it once it completes.
+``Replica.end``; and the ``kvgate`` policy is ``Scheduler.decide``, whose prefix index records a request's
+keys on the replica that served it once it completes (``Scheduler.served``, as the proxy does).
 
 What is simulated is each replica's prefix cache, in kvgate's block units (``BLOCK_CHARS`` characters,
 about 64 tokens): a bounded pool of blocks that behaves like vLLM's. A request's cached blocks are the
@@ -16,11 +16,11 @@ blocks are evicted first, as vLLM does), and blocks are evicted only while nothi
 
 Three policies see the same workload (same arrivals, tenants, suffixes and service times):
 
-- ``kvgate``: ``choose(candidates, keys, index)``, the gateway's own decision;
+- ``kvgate``: ``Scheduler.decide(replicas, target)``, the gateway's own decision;
 - ``oracle``: knows every replica's actual cache; among ``within_bound(candidates)`` (the same bounded
   load rule) it takes the longest actually-cached prefix, ties to the least loaded, and with no hit
-  anywhere ``pick`` (least-loaded), like ``choose``;
-- ``least-loaded``: ``pick(candidates)``, no prefix awareness.
+  anywhere ``least_loaded``, like the scheduler;
+- ``least-loaded``: ``least_loaded(candidates)``, no prefix awareness.
 
 Run from the repository root:
 
@@ -44,12 +44,12 @@ from typing import Literal
 
 from blake3 import blake3
 
-from gateway.backends import AdapterListing
-from gateway.epoch_table import VersionState
-from gateway.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
-from gateway.proxy import cache_salt
-from gateway.replicas import Replica
-from gateway.routing import LOAD_FACTOR, choose, eligible, load_score, pick, within_bound
+from gateway.core.model import Target, VersionState
+from gateway.core.prefix import BLOCK_CHARS, block_keys, prompt_text
+from gateway.core.scheduler import LOAD_FACTOR, Scheduler, eligible, least_loaded, load_score, within_bound
+from gateway.core.wire import cache_salt
+from gateway.fleet.backends import AdapterListing
+from gateway.fleet.replicas import Replica
 
 Policy = Literal["kvgate", "oracle", "least-loaded"]
 POLICIES: tuple[Policy, ...] = ("kvgate", "oracle", "least-loaded")
@@ -226,9 +226,14 @@ def _oracle(caches: dict[str, ReplicaCache]) -> Callable[[list[Replica], list[by
         if max(actual.values()):
             busiest = max(r.in_flight for r in allowed)
             return max(allowed, key=lambda r: (actual[r.url], load_score(r, busiest)))
-        return pick(allowed)
+        return least_loaded(allowed)
 
     return decide
+
+
+def _target(workload: Workload, request: Request) -> Target:
+    version = workload.tenants[request.tenant]
+    return Target(version.logical_id, BASE, version, None, request.keys)
 
 
 def simulate(policy: Policy, workload: Workload, cfg: Config, replica_count: int) -> Result:
@@ -239,7 +244,8 @@ def simulate(policy: Policy, workload: Workload, cfg: Config, replica_count: int
         replica.listing = listing
     position = {replica.url: i for i, replica in enumerate(replicas)}
     caches = {replica.url: ReplicaCache(workload.cache_blocks) for replica in replicas}
-    index = PrefixIndex(cfg.index_entries)
+    scheduler = Scheduler(cfg.index_entries)
+    index = scheduler.index
     oracle = _oracle(caches)
     result = Result(policy, replica_count, assigned=[0] * replica_count, in_flight_area=[0.0] * replica_count)
 
@@ -266,24 +272,25 @@ def simulate(policy: Policy, workload: Workload, cfg: Config, replica_count: int
             replica.end(name)
             caches[replica.url].release(request.keys)
             if policy == "kvgate":
-                index.record(request.keys, replica.url)
+                scheduler.served(_target(workload, request), replica)
             continue
         if kind == _PREFILLED:
             replica = served_by[i]
             caches[replica.url].acquire(request.keys[hits_of.pop(i) :])
             continue
 
-        candidates = eligible(replicas, workload.tenants[request.tenant], with_root=False)
+        target = _target(workload, request)
+        candidates = eligible(replicas, target)
         allowed = within_bound(candidates)
         best = max(caches[r.url].cached_prefix(request.keys) for r in allowed)
         promised = 0  # kvgate: leading blocks the index says the chosen replica holds
         if policy == "kvgate":
-            choice = choose(candidates, request.keys, index)
-            replica, decision, promised = choice.replica, choice.decision, choice.matched_blocks
+            choice = scheduler.decide(replicas, target)
+            replica, decision, promised = choice.replica, choice.reason, choice.matched_blocks
         elif policy == "oracle":
             replica, decision = oracle(candidates, request.keys), "oracle"
         else:
-            replica, decision = pick(candidates), "least-loaded"
+            replica, decision = least_loaded(candidates), "least-loaded"
         cache = caches[replica.url]
         hits = cache.cached_prefix(request.keys)
         cache.acquire(request.keys[:hits])
@@ -322,11 +329,11 @@ def render(cfg: Config, runs: list[tuple[Workload, dict[Policy, Result]]], comma
         "# Prefix routing: kvgate vs a cache-aware oracle vs least-loaded (simulation)",
         "",
         "**This is a simulation that runs kvgate's real routing code, not a measurement on vLLM.** "
-        "`gateway.routing.choose` decides over real `gateway.replicas.Replica` objects (in-flight counts "
-        "through `begin`/`end`, candidates from `gateway.routing.eligible`) with a "
-        "`gateway.prefix.PrefixIndex` fed as `gateway/proxy.py` feeds it (keys recorded when a request "
+        "`gateway.core.scheduler.Scheduler.decide` decides over real `gateway.fleet.replicas.Replica` "
+        "objects (in-flight counts through `begin`/`end`, candidates from `gateway.core.scheduler.eligible`) "
+        "with its `gateway.core.prefix.PrefixIndex` fed as the proxy feeds it (keys recorded when a request "
         "completes), on keys from `gateway.prefix.block_keys` salted per tenant by "
-        "`gateway.proxy.cache_salt`. "
+        "`gateway.core.wire.cache_salt`. "
         "The replicas' prefix caches, the arrivals and the service times are simulated.",
         "",
         "Generated by `loadtest/prefix_routing.py`; deterministic, so this command (from the repository "

@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from gateway.epoch_table import EpochTable
-from gateway.redis_server import EmbeddedRedis
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

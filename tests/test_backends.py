@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from gateway.backends import (
+from gateway.fleet.backends import (
     DIALECTS,
     GenericOpenAIDialect,
     LoadFailed,
@@ -233,7 +233,7 @@ async def test_generic_unload_only_logs(
     session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = StubState(adapters={NAME: PATH})
-    caplog.set_level(logging.INFO, logger="gateway.backends.generic")
+    caplog.set_level(logging.INFO, logger="gateway.fleet.backends.generic")
     async with running(build_stub(state)) as url:
         await GenericOpenAIDialect().unload(session, url, NAME)
     assert state.adapters == {NAME: PATH}

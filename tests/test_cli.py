@@ -16,8 +16,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.redis_server import EmbeddedRedis
 from gateway.serving import free_port, running
+from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub
 

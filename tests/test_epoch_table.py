@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from gateway import keys
-from gateway.epoch_table import EpochTable, lua_dir
-from gateway.errors import ModelNotFound, VersionNotFound
+from gateway.core.errors import ModelNotFound, VersionNotFound
+from gateway.table import keys
+from gateway.table.epoch_table import EpochTable, lua_dir
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.errors import InvalidAdapter
-from gateway.identity import check_logical_id, scan_adapter, tree_digest, versioned_name
+from gateway.core.errors import InvalidAdapter
+from gateway.core.identity import check_logical_id, scan_adapter, tree_digest, versioned_name
 from tests.conftest import MakeAdapter
 
 

@@ -10,12 +10,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from redis.asyncio import Redis
 
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.epoch_table import EpochTable
-from gateway.publish import publish_adapter
 from gateway.serving import running
-from gateway.store import AdapterStore
+from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub
 

@@ -14,12 +14,12 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
+from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.epoch_table import EpochTable
-from gateway.identity import versioned_name
+from gateway.core.identity import versioned_name
 from gateway.serving import running
-from gateway.store import AdapterStore
+from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub
 

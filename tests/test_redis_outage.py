@@ -8,13 +8,13 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.epoch_table import EpochTable
-from gateway.publish import publish_adapter
-from gateway.redis_server import EmbeddedRedis
 from gateway.serving import running
-from gateway.store import AdapterStore
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub
 

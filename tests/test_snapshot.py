@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.epoch_table import TableView, VersionState
-from gateway.snapshot import Snapshot
+from gateway.core.model import TableView, VersionState
+from gateway.table.snapshot import Snapshot
 
 
 def state(digest: str, epoch: int) -> VersionState:

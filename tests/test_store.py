@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.errors import InvalidAdapter
-from gateway.store import INCOMING_PREFIX, AdapterStore
+from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
+from gateway.core.errors import InvalidAdapter
 from tests.conftest import MakeAdapter
 
 

@@ -26,9 +26,9 @@ from redis.asyncio import Redis
 
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.redis_server import EmbeddedRedis
 from gateway.serving import free_port, running
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.metrics import Metrics
 from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from tests.conftest import flushed_client
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.identity import scan_adapter, tree_digest
-from gateway.redis_server import EmbeddedRedis
+from gateway.core.identity import scan_adapter, tree_digest
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json, post_json, run_kvgate
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.experiment import complete, fresh_salt, long_prompt
+from gateway.core.wire import cold_salt
+from gateway.proof.experiment import complete, long_prompt
 from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import post_json
 
@@ -40,7 +41,7 @@ async def test_inplace_reload_serves_stale_prefix_blocks(
         await post_json(http, f"{url}/v1/load_lora_adapter", reload)
 
         warm = await complete(http, url, name, prompt)
-        cold = await complete(http, url, name, prompt, cache_salt=fresh_salt())
+        cold = await complete(http, url, name, prompt, cache_salt=cold_salt())
     finally:
         await post_json(http, f"{url}/v1/unload_lora_adapter", {"lora_name": name})
 

@@ -15,10 +15,10 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.backends import fetch_model_list
-from gateway.experiment import Sample, complete, fresh_salt, long_prompt
-from gateway.proxy import ADMIN_TOKEN_HEADER, PIN_HEADER
-from gateway.redis_server import EmbeddedRedis
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt
+from gateway.fleet.backends import fetch_model_list
+from gateway.proof.experiment import Sample, complete, long_prompt
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
 
@@ -67,7 +67,7 @@ async def test_new_version_is_coherent_on_every_replica(
     for replica in vllm_replicas:
         after.append(await complete(http, url, LOGICAL, prompt, headers=pin(replica)))  # loads v2 there
         warm = await complete(http, url, LOGICAL, prompt, headers=pin(replica))
-        cold = await complete(http, replica.url, v2["name"], prompt, cache_salt=fresh_salt())
+        cold = await complete(http, replica.url, v2["name"], prompt, cache_salt=cold_salt())
         after.append(warm)
         assert warm.cached_tokens >= 384, f"{replica.url}: the warm v2 request must hit the prefix cache"
         assert cold.cached_tokens == 0

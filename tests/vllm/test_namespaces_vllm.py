@@ -9,9 +9,9 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.audit import GatewayTarget
-from gateway.experiment import complete, long_prompt
-from gateway.redis_server import EmbeddedRedis
+from gateway.proof.audit import GatewayTarget
+from gateway.proof.experiment import complete, long_prompt
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 

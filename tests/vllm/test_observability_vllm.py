@@ -9,8 +9,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.experiment import complete, long_prompt
-from gateway.redis_server import EmbeddedRedis
+from gateway.proof.experiment import complete, long_prompt
+from gateway.table.redis_server import EmbeddedRedis
 from tests.vllm.conftest import Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

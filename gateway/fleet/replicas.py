@@ -14,27 +14,36 @@ from collections import Counter
 
 import aiohttp
 
-from gateway.backends import AdapterListing, BackendDialect
-from gateway.config import base_identity
-from gateway.epoch_table import REDIS_DOWN, EpochTable
+from gateway.core.identity import base_identity
+from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.periodic import periodically
+from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 
 log = logging.getLogger(__name__)
 
 
 class Replica:
-    def __init__(self, url: str) -> None:
+    """One replica as this kvgate sees it; the scheduler reads it as a ``ReplicaView``."""
+
+    def __init__(self, url: str, *, base_with_root: bool = False) -> None:
         self.url = url
+        self.base_with_root = base_with_root
         self.healthy = False
         self.listing = AdapterListing(None, None)
         self.in_flight = 0
         self.in_flight_by_name: Counter[str] = Counter()
         self.last_used: dict[str, float] = {}
 
-    def base_identity(self, with_root: bool) -> str | None:
+    @property
+    def base(self) -> str | None:
+        """The base model identity it serves: its listed name (``name=root`` when roots must match)."""
         if self.listing.base_name is None:
             return None
-        return base_identity(self.listing.base_name, self.listing.base_root if with_root else None)
+        return base_identity(self.listing.base_name, self.listing.base_root if self.base_with_root else None)
+
+    @property
+    def adapter_count(self) -> int:
+        return len(self.listing.adapters)
 
     def serves(self, name: str, root: str) -> bool:
         """Eligible for a version only when it lists the versioned name with the content-addressed root."""
@@ -67,7 +76,7 @@ class ReplicaPool:
         *,
         base_with_root: bool,
     ) -> None:
-        self.replicas = [Replica(url) for url in urls]
+        self.replicas = [Replica(url, base_with_root=base_with_root) for url in urls]
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root

@@ -7,13 +7,12 @@ For one effective model, warm and cold must agree; on the CPU build they agree e
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from gateway.proxy import EVIDENCE_HEADERS
+from gateway.core.wire import EVIDENCE_HEADERS
 
 _SENTENCES = (
     "The harbor master counted the boats that came in with the evening tide.",
@@ -28,10 +27,6 @@ _SENTENCES = (
 def long_prompt(sentences: int = 15) -> str:
     """A fixed English prompt over several 128-token KV blocks (450 tokens with the test tokenizer)."""
     return " ".join(_SENTENCES[i % len(_SENTENCES)] for i in range(sentences))
-
-
-def fresh_salt() -> str:
-    return f"cold-{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,10 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from gateway import keys
-from gateway.epoch_table import REDIS_DOWN, EpochTable, TableView, VersionState
+from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
+from gateway.table import keys
+from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import logging
 
 import aiohttp
 
-from gateway.backends import LoadFailed
-from gateway.metrics import Metrics
-from gateway.replicas import Replica, ReplicaPool
-from gateway.snapshot import Snapshot
+from gateway.fleet.backends import LoadFailed
+from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.table.snapshot import Snapshot
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 VERSION_SCOPED = "version-scoped"

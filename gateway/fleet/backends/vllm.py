@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import AdapterListing, LoadFailed, fetch_model_list
+from gateway.fleet.backends.base import AdapterListing, LoadFailed, fetch_model_list
 
 _ALREADY_LOADED = "has already been loaded"
 

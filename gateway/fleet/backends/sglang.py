@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import AdapterListing, LoadFailed, fetch_model_list
+from gateway.fleet.backends.base import AdapterListing, LoadFailed, fetch_model_list
 
 _ALREADY_LOADED = ("already loaded", "already exists")
 _GONE = ("does not exist", "not found", "not loaded")

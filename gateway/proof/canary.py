@@ -13,13 +13,14 @@ import time
 
 import aiohttp
 
-from gateway.audit import COHERENT, Observation, judge, warm_and_cold
-from gateway.experiment import long_prompt
-from gateway.metrics import Metrics
-from gateway.proxy import cache_salt
-from gateway.replicas import ReplicaPool
-from gateway.routing import eligible
-from gateway.snapshot import Snapshot
+from gateway.core.model import Target
+from gateway.core.scheduler import eligible
+from gateway.core.wire import cache_salt
+from gateway.fleet.replicas import ReplicaPool
+from gateway.proof.audit import COHERENT, Observation, judge, warm_and_cold
+from gateway.proof.experiment import long_prompt
+from gateway.table.snapshot import Snapshot
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 ACTIVE_WINDOW_S = 600.0
@@ -33,14 +34,11 @@ class Canary:
         pool: ReplicaPool,
         activity: dict[str, float],
         metrics: Metrics,
-        *,
-        base_with_root: bool,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
         self.activity = activity
         self.metrics = metrics
-        self.base_with_root = base_with_root
 
     async def run_round(self) -> None:
         if self.snapshot.flushed:
@@ -60,8 +58,9 @@ class Canary:
         if version is None:
             return
         salt = cache_salt(self.snapshot.generation, version)
+        target = Target(logical_id, version.base, version, salt, [])
         observations = []
-        for replica in eligible(self.pool.replicas, version, with_root=self.base_with_root):
+        for replica in eligible(self.pool.replicas, target):
             url, name = replica.url, version.name
             warm, cold = await warm_and_cold(self.pool.session, url, name, CANARY_PROMPT, 2, warm_salt=salt)
             root = replica.listing.adapters.get(name)

@@ -1,10 +1,11 @@
 """Getting a version onto a replica, and off again.
 
-``ensure_loaded`` is single-flight twice over: within this process (one task per replica and name)
-and across every kvgate (a Redis lock per version and replica). Loads always use the versioned name
-and the content-addressed root, never ``load_inplace``. Before a load, the replica's adapter budget is
-enforced (least recently used, idle adapters go first). ``sweep`` unloads versions that are no longer
-current once they have been retired for the drain grace period and no request here uses them.
+``ensure_loaded`` carries out the scheduler's "load on R". It is single-flight twice over: within this
+process (one task per replica and name) and across every kvgate (a Redis lock per version and replica).
+Loads always use the versioned name and the content-addressed root, never ``load_inplace``. Before a
+load, the replica's adapter budget is enforced in the scheduler's ``evictions`` order (never in use,
+retired first, then least recently used). ``sweep`` unloads versions that are no longer current once
+they have been retired for the drain grace period and no request here uses them.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from pathlib import Path
 import aiohttp
 from opentelemetry.trace import StatusCode, Tracer
 
-from gateway import tracing as attr
-from gateway.backends import LoadFailed
-from gateway.epoch_table import REDIS_DOWN, EpochTable, VersionState
-from gateway.errors import NoEligibleReplica
-from gateway.metrics import Metrics
+from gateway.core.errors import NoEligibleReplica
+from gateway.core.model import VersionState
+from gateway.core.scheduler import evictions
+from gateway.fleet.backends import LoadFailed
+from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.periodic import periodically
-from gateway.replicas import Replica, ReplicaPool
-from gateway.routing import pick, same_base
-from gateway.snapshot import Snapshot
+from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.snapshot import Snapshot
+from gateway.telemetry import tracing as attr
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,6 @@ class AdapterLoader:
         drain_grace: float,
         load_timeout: float,
         lock_ttl: float,
-        base_with_root: bool,
         metrics: Metrics,
         tracer: Tracer,
     ) -> None:
@@ -55,39 +56,17 @@ class AdapterLoader:
         self.drain_grace = drain_grace
         self.load_timeout = load_timeout
         self.lock_ttl_ms = int(lock_ttl * 1000)
-        self.base_with_root = base_with_root
         self.metrics = metrics
         self.tracer = tracer
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    async def ensure_loaded(self, version: VersionState, on: Replica | None = None) -> Replica:
-        """Load ``version`` on replica ``on`` (or on the least-loaded replica of its base) and return it.
+    async def ensure_loaded(self, version: VersionState, replica: Replica) -> None:
+        """Load ``version`` on ``replica`` (the scheduler's choice), or raise ``NoEligibleReplica``.
 
-        A replica that turns out to be down is marked unhealthy and the next one is tried (unless pinned);
+        A replica that turns out to be down is marked unhealthy (the scheduler then looks elsewhere);
         a replica that refuses the load ends the attempt with its reason.
         """
-        for _ in range(len(self.pool.replicas)):
-            target = self._target(version, on)
-            try:
-                await self._load_once(target, version)
-                return target
-            except NoEligibleReplica:
-                if on is not None or target.healthy:
-                    raise
-                log.warning("%s is down; loading %s elsewhere", target.url, version.name)
-        raise NoEligibleReplica(f"no replica could load {version.name}", param="model")
-
-    def _target(self, version: VersionState, on: Replica | None) -> Replica:
-        candidates = same_base(self.pool.replicas, version.base, with_root=self.base_with_root)
-        if on is not None:
-            candidates = [replica for replica in candidates if replica is on]
-        if not candidates:
-            if on is not None:
-                reason = f"replica {on.url} is unhealthy or does not serve base {version.base!r}"
-            else:
-                reason = f"no healthy replica serves base {version.base!r} for {version.logical_id!r}"
-            raise NoEligibleReplica(reason, param="model")
-        return pick(candidates)
+        await self._load_once(replica, version)
 
     async def _load_once(self, target: Replica, version: VersionState) -> None:
         """Single-flight within this process: concurrent requests share one load task."""
@@ -176,12 +155,14 @@ class AdapterLoader:
 
     async def _make_room(self, replica: Replica) -> None:
         managed = self._managed(replica)
-        current = self.snapshot.current_names()
-        idle = [name for name in managed if not replica.in_flight_by_name.get(name)]
-        # Retired versions first, then least recently used.
-        idle.sort(key=lambda name: (name in current, replica.last_used.get(name, 0.0)))
-        while len(managed) >= self.budget and idle:
-            victim = idle.pop(0)
+        victims = evictions(
+            managed,
+            in_use=replica.in_flight_by_name,
+            current=self.snapshot.current_names(),
+            last_used=replica.last_used,
+        )
+        while len(managed) >= self.budget and victims:
+            victim = victims.pop(0)
             await self._unload(replica, victim, reason="budget")
             managed.remove(victim)
 

@@ -20,7 +20,7 @@ from types import TracebackType
 
 import redis
 
-from gateway.errors import KvgateError
+from gateway.core.errors import KvgateError
 
 SOCKET_NAME = "redis.sock"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.epoch_table import Change, EpochTable
-from gateway.identity import check_logical_id, versioned_name
-from gateway.store import AdapterStore
+from gateway.adapters.store import AdapterStore
+from gateway.core.identity import check_logical_id, versioned_name
+from gateway.core.model import Change
+from gateway.table.epoch_table import EpochTable
 
 
 @dataclass(frozen=True, slots=True)

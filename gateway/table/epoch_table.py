@@ -12,7 +12,6 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -23,9 +22,10 @@ from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from gateway import keys
-from gateway import tracing as attr
-from gateway.errors import EpochTableError, ModelNotFound, VersionNotFound
+from gateway.core.errors import EpochTableError, ModelNotFound, VersionNotFound
+from gateway.core.model import Change, TableView, VersionState
+from gateway.table import keys
+from gateway.telemetry import tracing as attr
 
 Clock = Callable[[], int]
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -38,35 +38,10 @@ def wall_clock_ms() -> int:
 
 def lua_dir() -> Traversable:
     """``lua/`` beside the package in a source tree; ``gateway/lua`` inside an installed wheel."""
-    source_tree = Path(__file__).resolve().parent.parent / "lua"
+    source_tree = Path(__file__).resolve().parents[2] / "lua"
     if source_tree.is_dir():
         return source_tree
     return resources.files("gateway.lua")
-
-
-@dataclass(frozen=True, slots=True)
-class VersionState:
-    """What a logical ID points at right now."""
-
-    logical_id: str
-    digest: str
-    name: str  # versioned name, e.g. tenant-42@0123456789abcdef
-    path: str  # content-addressed store path: the only root a replica may load it from
-    base: str  # base model identity the version was published for
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class TableView:
-    generation: str
-    states: dict[str, VersionState]
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    changed: bool
-    epoch: int
-    digest: str = ""
 
 
 class EpochTable:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from gateway.errors import InvalidAdapter
+from gateway.core.errors import InvalidAdapter
 
 TREE_DOMAIN = b"kvgate-tree-v1\0"
 SHORT_DIGEST_LEN = 16
@@ -50,6 +50,11 @@ def check_digest(digest: str) -> str:
     if not _DIGEST.match(digest):
         raise InvalidAdapter(f"not a blake3 hex digest: {digest!r}", param="digest")
     return digest
+
+
+def base_identity(name: str, root: str | None) -> str:
+    """A base model's identity: its served name, or ``name=root`` when the root must match too."""
+    return name if root is None else f"{name}={root}"
 
 
 def versioned_name(logical_id: str, digest: str) -> str:

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.identity import ManifestEntry, check_digest, scan_adapter, tree_digest
+from gateway.core.identity import ManifestEntry, check_digest, scan_adapter, tree_digest
 
 INCOMING_PREFIX = ".incoming-"
 

@@ -27,18 +27,19 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from gateway.backends import fetch_model_list
-from gateway.errors import InvalidAdapter
-from gateway.experiment import Sample, complete, fresh_salt, long_prompt
-from gateway.identity import scan_adapter, tree_digest
-from gateway.proxy import (
+from gateway.core.errors import InvalidAdapter
+from gateway.core.identity import scan_adapter, tree_digest
+from gateway.core.wire import (
     ADMIN_TOKEN_HEADER,
     DIGEST_HEADER,
     NAMESPACE_HEADER,
     PIN_HEADER,
     PREFIX_KEY_HEADER,
     VERSION_HEADER,
+    cold_salt,
 )
+from gateway.fleet.backends import fetch_model_list
+from gateway.proof.experiment import Sample, complete, long_prompt
 
 COHERENT = "coherent"
 INCOHERENT = "incoherent-on-warm-hit"
@@ -123,7 +124,7 @@ async def warm_and_cold(
     """Straight to a server: two warm runs in ``warm_salt``'s namespace (the server's default when None),
     so the second hits the cache, then ``colds`` runs, each in a fresh namespace."""
     warm = [await complete(http, url, model, prompt, cache_salt=warm_salt) for _ in range(2)]
-    cold = [await complete(http, url, model, prompt, cache_salt=fresh_salt()) for _ in range(colds)]
+    cold = [await complete(http, url, model, prompt, cache_salt=cold_salt()) for _ in range(colds)]
     return tuple(warm), tuple(cold)
 
 

@@ -1,9 +1,9 @@
 """Backend dialects: how to list, load and unload adapters on one kind of server, and name its cache."""
 
-from gateway.backends.base import AdapterListing, BackendDialect, LoadFailed, fetch_model_list
-from gateway.backends.generic import GenericOpenAIDialect
-from gateway.backends.sglang import SglangDialect
-from gateway.backends.vllm import VllmDialect
+from gateway.fleet.backends.base import AdapterListing, BackendDialect, LoadFailed, fetch_model_list
+from gateway.fleet.backends.generic import GenericOpenAIDialect
+from gateway.fleet.backends.sglang import SglangDialect
+from gateway.fleet.backends.vllm import VllmDialect
 
 DIALECTS = ("vllm", "sglang", "generic")
 """The names ``dialect_for`` accepts."""

@@ -1,0 +1,185 @@
+"""One decision per request: serve on replica R, or load the version on R and then serve. Pure, no I/O.
+
+The decision runs over read-only replica views (``ReplicaView``; the fleet's ``Replica`` is one) in
+named stages, so the next signal (KV events, adapter residency, lease counts) is one more function:
+
+- filters: ``healthy`` → ``serves_base`` → ``pinned`` (admin audits) → ``holds_version``. A replica is
+  eligible for a version only when it lists the versioned name with that version's content-addressed
+  root and serves the base the version was published for: warm requests never meet another version.
+- bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
+  requests (unless that would drop them all).
+- scorers in [0, 1]: ``prefix_score`` (the share of the prompt's leading blocks a replica is known to
+  hold) and ``load_score``; ties between prefix holders go to a rendezvous hash of the first block key
+  and the replica, so a prefix that spilled onto several replicas keeps returning to one of them instead
+  of being spread by load (which would make every replica cache every tenant).
+- pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties).
+
+When no replica of the right base holds the version, the decision is "load on the least-loaded one".
+``evictions`` orders what a replica may unload to make room. The ``Scheduler`` owns the prefix index:
+it reads it to decide and records what a replica served, the one place that does either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, Protocol, TypeVar
+
+from blake3 import blake3
+
+from gateway.core.errors import NoEligibleReplica
+from gateway.core.model import Target
+from gateway.core.prefix import PrefixIndex
+
+LOAD_FACTOR = 1.25
+
+
+class ReplicaView(Protocol):
+    """What the scheduler may read of a replica (and nothing it could change)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def adapter_count(self) -> int: ...
+    @property
+    def base(self) -> str | None:
+        """The base model identity this replica serves (None until it answered a listing)."""
+        ...
+
+    def serves(self, name: str, root: str) -> bool: ...
+
+
+R = TypeVar("R", bound=ReplicaView)
+Action = Literal["serve", "load"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision(Generic[R]):
+    replica: R
+    action: Action
+    reason: str  # "prefix" | "least-loaded" | "pinned" | "loaded"
+    matched_blocks: int = 0
+
+
+# --- filters ---------------------------------------------------------------------------------------
+
+
+def healthy(replicas: Sequence[R]) -> list[R]:
+    return [r for r in replicas if r.healthy]
+
+
+def serves_base(replicas: Sequence[R], base: str) -> list[R]:
+    return [r for r in replicas if r.base == base]
+
+
+def pinned(replicas: Sequence[R], pin: str | None) -> list[R]:
+    return list(replicas) if pin is None else [r for r in replicas if r.url == pin]
+
+
+def holds_version(replicas: Sequence[R], target: Target) -> list[R]:
+    version = target.version
+    if version is None:
+        return list(replicas)
+    return [r for r in replicas if r.serves(version.name, version.path)]
+
+
+def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> list[R]:
+    """Replicas that can take one more request without exceeding their bounded share."""
+    total = sum(r.in_flight for r in candidates) + 1
+    capacity = max(1, math.ceil(load_factor * total / len(candidates)))
+    return [r for r in candidates if r.in_flight + 1 <= capacity] or list(candidates)
+
+
+def eligible(replicas: Sequence[R], target: Target) -> list[R]:
+    """Healthy replicas of the target's base that hold its version (every replica of the base for base
+    requests): where a request may be served without a load."""
+    return holds_version(serves_base(healthy(replicas), target.base), target)
+
+
+# --- scorers (each in [0, 1]) ----------------------------------------------------------------------
+
+
+def load_score(replica: ReplicaView, busiest: int) -> float:
+    """1.0 for an idle replica, falling towards 0 as it nears the busiest one's in-flight count."""
+    return 1.0 - replica.in_flight / (busiest + 1)
+
+
+def prefix_score(matched_blocks: int, keys: Sequence[bytes]) -> float:
+    """The share of the prompt's leading blocks the replica is known to hold."""
+    return matched_blocks / len(keys) if keys else 0.0
+
+
+# --- pick ------------------------------------------------------------------------------------------
+
+
+def least_loaded(candidates: Sequence[R]) -> R:
+    """The least-loaded replica; ties go to the one with fewer adapters loaded, then list order."""
+    busiest = max(r.in_flight for r in candidates)
+    return max(candidates, key=lambda r: (load_score(r, busiest), -r.adapter_count))
+
+
+def _rendezvous(key: bytes, replica: ReplicaView) -> bytes:
+    return blake3(key + replica.url.encode()).digest(8)
+
+
+def decide(
+    replicas: Sequence[R], target: Target, *, pin: str | None = None, matched: Callable[[R], int]
+) -> Decision[R]:
+    """Serve on an eligible replica, or load the target's version on one of its base.
+
+    ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is known to hold.
+    Raises ``NoEligibleReplica`` when no healthy replica (the pinned one, if pinned) serves the base.
+    """
+    of_base = pinned(serves_base(healthy(replicas), target.base), pin)
+    if not of_base:
+        raise NoEligibleReplica(_nothing_serves(target, pin), param="model")
+    holders = holds_version(of_base, target)
+    if not holders:
+        return Decision(least_loaded(of_base), "load", "loaded")
+    if pin is not None:
+        return Decision(holders[0], "serve", "pinned", matched(holders[0]))
+    allowed = within_bound(holders)
+    if target.keys:
+        scores = {r.url: matched(r) for r in allowed}
+        best = max(
+            allowed, key=lambda r: (prefix_score(scores[r.url], target.keys), _rendezvous(target.keys[0], r))
+        )
+        if scores[best.url]:
+            return Decision(best, "serve", "prefix", scores[best.url])
+    return Decision(least_loaded(allowed), "serve", "least-loaded")
+
+
+def _nothing_serves(target: Target, pin: str | None) -> str:
+    if pin is not None:
+        return f"replica {pin} is unhealthy or does not serve base {target.base!r}"
+    if target.version is None:
+        return f"no healthy replica serves base model {target.base!r}"
+    return f"no healthy replica serves base {target.base!r} for {target.logical_id!r}"
+
+
+def evictions(
+    managed: Sequence[str], *, in_use: Mapping[str, int], current: set[str], last_used: Mapping[str, float]
+) -> list[str]:
+    """What a replica may unload to make room, best victim first: never a name in use; retired
+    versions before current ones, then least recently used."""
+    idle = [name for name in managed if not in_use.get(name)]
+    return sorted(idle, key=lambda name: (name in current, last_used.get(name, 0.0)))
+
+
+class Scheduler:
+    """``decide`` over the prefix index this scheduler owns; ``served`` records what a replica computed."""
+
+    def __init__(self, index_entries: int) -> None:
+        self.index = PrefixIndex(index_entries)
+
+    def decide(self, replicas: Sequence[R], target: Target, *, pin: str | None = None) -> Decision[R]:
+        return decide(replicas, target, pin=pin, matched=lambda r: self.index.matched(target.keys, r.url))
+
+    def served(self, target: Target, replica: ReplicaView) -> None:
+        if target.keys:
+            self.index.record(target.keys, replica.url)

@@ -1,0 +1,87 @@
+"""The admin surface: the token check, the admin-only request options (pin, cold namespace), and the
+views (``/kvgate/status``, ``/v1/models``). Off without a configured admin token."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.core.errors import BadRequest, Unauthorized
+from gateway.core.prefix import PrefixIndex
+from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER
+from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.table.snapshot import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class AdminOptions:
+    pin: Replica | None  # audits pin a request to one replica
+    cold: bool  # audits ask for a fresh cache namespace
+
+
+NO_OPTIONS = AdminOptions(None, False)
+
+
+class Admin:
+    def __init__(self, token: str | None, snapshot: Snapshot, pool: ReplicaPool, index: PrefixIndex) -> None:
+        self.token = token
+        self.snapshot = snapshot
+        self.pool = pool
+        self.index = index
+
+    def check(self, request: web.Request) -> None:
+        """A constant-time token check; always refused when kvgate has no admin token."""
+        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.token
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise Unauthorized(
+                f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
+            )
+
+    def options(self, request: web.Request) -> AdminOptions:
+        """The pin and cold-namespace headers; either one needs the admin token."""
+        pin_url = request.headers.get(PIN_HEADER)
+        cold = request.headers.get(NAMESPACE_HEADER) == "cold"
+        if pin_url is None and not cold:
+            return NO_OPTIONS
+        self.check(request)
+        if pin_url is None:
+            return AdminOptions(None, cold)
+        for replica in self.pool.replicas:
+            if replica.url == pin_url.rstrip("/"):
+                return AdminOptions(replica, cold)
+        raise BadRequest(f"{PIN_HEADER}: {pin_url!r} is not one of this pool's replicas")
+
+    async def status(self, request: web.Request) -> web.Response:
+        """What this kvgate serves and what each replica reports."""
+        self.check(request)
+        versions = {
+            s.logical_id: {"digest": s.digest, "name": s.name, "epoch": s.epoch, "base": s.base,
+                           "path": s.path}
+            for s in self.snapshot
+        }  # fmt: skip
+        replicas = [
+            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "base": r.listing.base_name,
+             "adapters": r.listing.adapters}
+            for r in self.pool.replicas
+        ]  # fmt: skip
+        doc = {
+            "generation": self.snapshot.generation,
+            "snapshot_flushed": self.snapshot.flushed,
+            "snapshot_staleness_s": self.snapshot.staleness(),
+            "versions": versions,
+            "replicas": replicas,
+            "prefix_index_entries": len(self.index),
+        }
+        return web.json_response(doc)
+
+
+def list_models(snapshot: Snapshot, base_model: str) -> web.Response:
+    """``/v1/models``: the base model and every logical ID (never a versioned name)."""
+    ids = [(base_model, None), *sorted((state.logical_id, base_model) for state in snapshot)]
+    data = [
+        {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "parent": parent}
+        for model, parent in ids
+    ]
+    return web.json_response({"object": "list", "data": data})

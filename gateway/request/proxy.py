@@ -1,0 +1,268 @@
+"""The OpenAI-compatible request path, in stages: parse → resolve (snapshot) → schedule → forward.
+
+Going in, ``model`` is rewritten from the logical ID to the versioned name and the gateway sets the
+cache namespace (the client's ``cache_salt`` is never forwarded). Coming out (``relay``), the versioned
+name is rewritten back to the logical ID and headers say which effective model answered. Where a
+request runs is the scheduler's decision; this module carries it out (a load through the loader, then
+the forward). No Redis command runs here: the snapshot is local. Each request leaves one span and its
+metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
+
+from gateway.core.errors import (
+    BackendUnreachable,
+    BadRequest,
+    BodyTooLarge,
+    KvgateError,
+    ModelNotFound,
+    NoEligibleReplica,
+)
+from gateway.core.model import Target
+from gateway.core.prefix import block_keys, prompt_text
+from gateway.core.scheduler import Decision, Scheduler
+from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, cache_salt, cold_salt
+from gateway.fleet.backends import BackendDialect
+from gateway.fleet.loader import AdapterLoader
+from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.request import relay
+from gateway.request.admin import Admin, AdminOptions
+from gateway.table.snapshot import Snapshot
+from gateway.telemetry import tracing as attr
+from gateway.telemetry.metrics import UNKNOWN, Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyOptions:
+    base_model: str
+    base_identity: str
+    max_body_bytes: int
+    namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    body: dict[str, Any]
+    raw: bytes
+    model: str
+    stream: bool
+    admin: AdminOptions
+
+
+class Proxy:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        pool: ReplicaPool,
+        loader: AdapterLoader,
+        scheduler: Scheduler,
+        admin: Admin,
+        dialect: BackendDialect,
+        options: ProxyOptions,
+        *,
+        activity: dict[str, float],
+        metrics: Metrics,
+        tracer: Tracer,
+    ) -> None:
+        self.snapshot = snapshot
+        self.pool = pool
+        self.loader = loader
+        self.scheduler = scheduler
+        self.admin = admin
+        self.dialect = dialect
+        self.options = options
+        self.activity = activity
+        """Logical ID -> monotonic time of its last request (the canary audits active IDs)."""
+        self.metrics = metrics
+        self.tracer = tracer
+        self.tracing = not isinstance(tracer, NoOpTracer)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        label, outcome = UNKNOWN, "error"
+        with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
+            try:
+                parsed = await self.parse(request)
+                target = self.resolve(parsed)
+                label = target.logical_id
+                if target.version is not None:
+                    self.activity[label] = started
+                _describe_target(span, request, target, self.dialect.name)
+                response = await self.schedule_and_forward(request, parsed, target, span, started)
+                outcome = str(response.status)
+                return response
+            except KvgateError as exc:
+                outcome = exc.type
+                span.set_status(StatusCode.ERROR, exc.message)
+                raise
+            finally:
+                self.metrics.requests.labels(label, outcome).inc()
+                self.metrics.latency.labels(label).observe(time.monotonic() - started)
+
+    async def schedule_and_forward(
+        self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
+    ) -> web.StreamResponse:
+        """Stages 3 and 4. A replica that fails before the first byte reaches the client is marked
+        unhealthy (until its next good poll) and the request goes to the next eligible one; pinned
+        requests are never moved. After the first byte, errors travel as a final SSE event instead."""
+        pin = parsed.admin.pin
+        for attempt in range(len(self.pool.replicas)):
+            decision = await self.schedule(target, pin)
+            _describe_decision(span, decision, target)
+            self.metrics.routing.labels(decision.reason).inc()
+            self.metrics.prefix_matched_blocks.observe(decision.matched_blocks)
+            try:
+                return await self.forward(request, parsed, target, decision.replica, span, started)
+            except BackendUnreachable:
+                decision.replica.healthy = False
+                if pin is not None or attempt + 1 == len(self.pool.replicas):
+                    raise
+                self.metrics.routing.labels("retry").inc()
+        raise NoEligibleReplica("no replica left to try")
+
+    # --- stage 1: parse --------------------------------------------------------------------------
+
+    async def parse(self, request: web.Request) -> ParsedRequest:
+        limit = self.options.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("you must provide a model parameter", param="model")
+        admin = self.admin.options(request)
+        return ParsedRequest(body, raw, model, stream=body.get("stream") is True, admin=admin)
+
+    # --- stage 2: resolve ------------------------------------------------------------------------
+
+    def resolve(self, parsed: ParsedRequest) -> Target:
+        if parsed.model == self.options.base_model:
+            return Target(parsed.model, self.options.base_identity, None, None, [])
+        version = self.snapshot.get(parsed.model)
+        if version is None:
+            raise ModelNotFound(
+                f"The model `{parsed.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if parsed.admin.cold:
+            return Target(parsed.model, version.base, version, cold_salt(), [])
+        salt = cache_salt(self.snapshot.generation, version)
+        return Target(parsed.model, version.base, version, salt, block_keys(salt, prompt_text(parsed.body)))
+
+    # --- stage 3: schedule -----------------------------------------------------------------------
+
+    async def schedule(self, target: Target, pin: Replica | None) -> Decision[Replica]:
+        """The scheduler's decision, carried out: a "load on R" loads first. A replica that turns out
+        to be down during the load is marked unhealthy and the scheduler decides again (unless pinned)."""
+        pin_url = pin.url if pin is not None else None
+        for _ in range(len(self.pool.replicas)):
+            decision = self.scheduler.decide(self.pool.replicas, target, pin=pin_url)
+            if decision.action == "serve" or target.version is None:
+                return decision
+            try:
+                await self.loader.ensure_loaded(target.version, decision.replica)
+                return decision
+            except NoEligibleReplica:
+                if pin is not None or decision.replica.healthy:
+                    raise
+                log.warning("%s is down; loading %s elsewhere", decision.replica.url, target.version.name)
+        raise NoEligibleReplica(f"no replica could serve {target.logical_id!r}", param="model")
+
+    # --- stage 4: forward ------------------------------------------------------------------------
+
+    def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes:
+        if target.version is None and not any(field in parsed.body for field in CLIENT_NAMESPACE_FIELDS):
+            return parsed.raw
+        body = dict(parsed.body)
+        for field in CLIENT_NAMESPACE_FIELDS:  # a client never chooses a cache namespace
+            body.pop(field, None)
+        if target.version is not None:
+            body["model"] = target.version.name
+            if target.salt is not None and self.options.namespaces:
+                self.dialect.set_cache_namespace(body, target.salt)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def forward(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        target: Target,
+        replica: Replica,
+        span: Span,
+        started: float,
+    ) -> web.StreamResponse:
+        name = target.version.name if target.version is not None else None
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        if self.tracing:
+            attr.inject_traceparent(headers)
+        rewrite = relay.model_rewrite(name, target.logical_id) if name is not None else None
+        usage = relay.Usage(self.metrics, target.logical_id, span)
+        evidence = relay.evidence(target, replica.url)
+        replica.begin(name)
+        try:
+            with relay.upstream_errors(replica.url):
+                async with self.pool.session.post(
+                    replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
+                ) as upstream:
+                    self.metrics.ttfb.labels(target.logical_id).observe(time.monotonic() - started)
+                    if parsed.stream and upstream.content_type == "text/event-stream":
+                        response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
+                    else:
+                        response = await relay.relay_body(upstream, rewrite, usage, evidence)
+            if response.status == 200:
+                self.scheduler.served(target, replica)
+            return response
+        finally:
+            replica.end(name)
+
+
+def _describe_target(span: Span, request: web.Request, target: Target, provider: str) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute(
+        attr.OPERATION, "chat" if request.path.endswith("chat/completions") else "text_completion"
+    )
+    span.set_attribute(attr.PROVIDER, provider)
+    span.set_attribute(attr.REQUEST_MODEL, target.logical_id)
+    span.set_attribute(attr.LOGICAL_ID, target.logical_id)
+    if target.version is not None:
+        span.set_attribute(attr.RESPONSE_MODEL, target.logical_id)
+        span.set_attribute(attr.VERSION_NAME, target.version.name)
+        span.set_attribute(attr.VERSION_DIGEST, target.version.digest)
+        span.set_attribute(attr.EPOCH, target.version.epoch)
+        span.set_attribute(attr.BASE, target.version.base)
+    if target.keys:
+        span.set_attribute(attr.BLOCK_KEY, target.keys[0].hex())
+
+
+def _describe_decision(span: Span, decision: Decision[Replica], target: Target) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute(attr.REPLICA, decision.replica.url)
+    span.set_attribute(attr.ROUTING, decision.reason)
+    span.set_attribute(attr.MATCHED_BLOCKS, decision.matched_blocks)
+    span.set_attribute(attr.PREDICTED_HIT, decision.matched_blocks > 0)
+    if target.version is not None:
+        loaded = decision.replica.listing.adapters.get(target.version.name, "")
+        span.set_attribute(attr.REPLICA_LOADED, loaded)

@@ -1,0 +1,141 @@
+"""Moving bytes between a replica and a client: model names rewritten both ways, SSE relayed, usage read.
+
+Coming out, the versioned name is rewritten back to the logical ID in the body and in every SSE line
+(as bytes, no JSON parse), the evidence headers say which effective model answered, and the backend's
+``usage`` numbers go to metrics and the span. ``upstream_errors`` is the one place upstream client errors
+become kvgate errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+from collections.abc import Iterator
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.trace import Span
+
+from gateway.core.errors import BackendTimeout, BackendUnreachable, KvgateError
+from gateway.core.model import Target
+from gateway.core.wire import DIGEST_HEADER, EPOCH_HEADER, PREFIX_KEY_HEADER, REPLICA_HEADER, VERSION_HEADER
+from gateway.telemetry import tracing as attr
+from gateway.telemetry.metrics import Metrics
+
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+
+
+class Usage:
+    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics and the span."""
+
+    __slots__ = ("label", "metrics", "span")
+
+    def __init__(self, metrics: Metrics, label: str, span: Span) -> None:
+        self.metrics, self.label, self.span = metrics, label, span
+
+    def scan(self, data: bytes) -> None:
+        if b'"usage"' not in data:
+            return
+        cached = _CACHED_TOKENS.search(data)
+        prompt = _PROMPT_TOKENS.search(data)
+        if prompt is not None:
+            self.metrics.prompt_tokens.labels(self.label).inc(int(prompt.group(1)))
+        if cached is not None:
+            self.metrics.cached_tokens.labels(self.label).inc(int(cached.group(1)))
+            self.span.set_attribute(attr.CACHED_TOKENS, int(cached.group(1)))
+
+
+class ModelRewrite:
+    """Rewrites the ``model`` field from the versioned name back to the logical ID, as bytes.
+
+    Only the exact JSON member ``"model":"<versioned name>"`` (with or without a space) is touched,
+    so generated text is never altered; versioned names are unique, so no parse is needed.
+    """
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, versioned: str, logical: str) -> None:
+        v, lg = json.dumps(versioned).encode(), json.dumps(logical).encode()
+        self.pairs = ((b'"model":' + v, b'"model":' + lg), (b'"model": ' + v, b'"model": ' + lg))
+
+    def apply(self, data: bytes) -> bytes:
+        for old, new in self.pairs:
+            if old in data:
+                data = data.replace(old, new)
+        return data
+
+
+@functools.lru_cache(maxsize=4096)
+def model_rewrite(versioned: str, logical: str) -> ModelRewrite:
+    return ModelRewrite(versioned, logical)
+
+
+def evidence(target: Target, replica_url: str) -> dict[str, str]:
+    """The response headers that say which effective model answered, and where."""
+    headers = {REPLICA_HEADER: replica_url}
+    if target.version is not None:
+        headers[VERSION_HEADER] = target.version.name
+        headers[DIGEST_HEADER] = target.version.digest
+        headers[EPOCH_HEADER] = str(target.version.epoch)
+    if target.keys:
+        headers[PREFIX_KEY_HEADER] = target.keys[0].hex()
+    return headers
+
+
+async def relay_body(
+    upstream: aiohttp.ClientResponse, rewrite: ModelRewrite | None, usage: Usage, headers: dict[str, str]
+) -> web.Response:
+    payload = await upstream.read()
+    response = web.Response(body=transform(payload, rewrite, usage), status=upstream.status, headers=headers)
+    response.content_type = upstream.content_type
+    return response
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    rewrite: ModelRewrite | None,
+    usage: Usage,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+    await response.prepare(request)
+    pending = b""  # an incomplete line: rewrites only ever see whole lines
+    try:
+        async for chunk in upstream.content.iter_any():
+            data = pending + chunk if pending else chunk
+            cut = data.rfind(b"\n") + 1
+            pending = data[cut:]
+            if cut:
+                await response.write(transform(data[:cut], rewrite, usage))
+        if pending:
+            await response.write(transform(pending, rewrite, usage))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # Bytes already went out: the status is sent, so the error travels as a final SSE event.
+        error = BackendUnreachable(f"upstream stream broke: {exc!r}")
+        await response.write(b"data: " + error.json_bytes() + b"\n\n")
+    await response.write_eof()
+    return response
+
+
+def transform(data: bytes, rewrite: ModelRewrite | None, usage: Usage) -> bytes:
+    usage.scan(data)
+    return rewrite.apply(data) if rewrite is not None else data
+
+
+@contextlib.contextmanager
+def upstream_errors(replica_url: str) -> Iterator[None]:
+    """The one place upstream client errors become kvgate errors."""
+    try:
+        yield
+    except KvgateError:
+        raise
+    except TimeoutError as exc:
+        raise BackendTimeout(f"replica {replica_url} timed out") from exc
+    except aiohttp.ClientError as exc:
+        raise BackendUnreachable(f"replica {replica_url} is unreachable: {exc!r}") from exc

@@ -1,0 +1,135 @@
+"""The one scheduler, on plain replica objects: prefix keys, the index, filters, scorers and the pick."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gateway.core.errors import NoEligibleReplica
+from gateway.core.model import Target, VersionState
+from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
+from gateway.core.scheduler import Scheduler, evictions, within_bound
+from gateway.fleet.backends import AdapterListing
+from gateway.fleet.replicas import Replica
+
+TEXT = "".join(f"sentence {i} of a long shared system prompt. " for i in range(60))
+VERSION = VersionState("t", "d" * 64, "t@dddddddddddddddd", "/store/" + "d" * 64, "base", 1)
+
+
+def replicas(count: int, *, holding: bool = True) -> list[Replica]:
+    made = [Replica(f"http://r{i}") for i in range(count)]
+    for replica in made:
+        replica.healthy = True
+        replica.listing = AdapterListing("base", "/m", {VERSION.name: VERSION.path} if holding else {})
+    return made
+
+
+def target(seed: str = "kvg-a", version: VersionState | None = VERSION) -> Target:
+    return Target("t", "base", version, seed, block_keys(seed, TEXT))
+
+
+def test_keys_chain_over_full_blocks_and_depend_on_the_namespace() -> None:
+    keys = block_keys("kvg-a", TEXT)
+    assert len(keys) == len(TEXT) // BLOCK_CHARS
+    assert block_keys("kvg-a", TEXT + " and a new question")[: len(keys)] == keys
+    assert not set(block_keys("kvg-b", TEXT)) & set(keys), "another namespace never matches"
+    assert prompt_text({"messages": [{"role": "user", "content": "x"}]}) == '[{"content":"x","role":"user"}]'
+
+
+def test_index_matches_leading_blocks_and_forgets_least_recent() -> None:
+    keys = block_keys("kvg-a", TEXT)
+    index = PrefixIndex(capacity=len(keys))
+    index.record(keys[:3], "http://r0")
+    assert index.matched(keys, "http://r0") == 3
+    assert index.matched(keys, "http://r1") == 0
+    index.record(block_keys("kvg-b", TEXT), "http://r1")  # pushes the older entries out
+    assert index.matched(keys, "http://r0") == 0
+
+
+def test_longest_prefix_wins_and_is_recorded_by_the_scheduler() -> None:
+    pool = replicas(3)
+    scheduler = Scheduler(1000)
+    wanted = target()
+    scheduler.index.record(wanted.keys[:2], pool[0].url)
+    scheduler.served(wanted, pool[2])
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.action, decision.reason) == (pool[2], "serve", "prefix")
+    assert decision.matched_blocks == len(wanted.keys)
+
+
+def test_a_prefix_held_everywhere_goes_to_one_replica_whatever_the_order_and_load() -> None:
+    pool = replicas(3)
+    scheduler = Scheduler(10_000)
+    wanted = target()
+    for replica in pool:
+        scheduler.served(wanted, replica)
+    chosen = {scheduler.decide(list(order), wanted).replica.url for order in itertools.permutations(pool)}
+    assert len(chosen) == 1, "the tie-break does not depend on the order replicas are listed in"
+    holder = next(r for r in pool if r.url in chosen)
+    for replica in [*pool, *pool, holder]:  # 2 in flight each, 3 on the holder: within its bounded share
+        replica.begin(VERSION.name)
+    assert scheduler.decide(pool, wanted).replica is holder, "load within the bound does not move a prefix"
+
+
+def test_ties_spread_different_prefixes_over_replicas() -> None:
+    pool = replicas(3)
+    scheduler = Scheduler(100_000)
+    chosen = set()
+    for tenant in range(30):
+        wanted = target(f"kvg-{tenant}")
+        for replica in pool:
+            scheduler.served(wanted, replica)
+        chosen.add(scheduler.decide(pool, wanted).replica.url)
+    assert chosen == {r.url for r in pool}, "rendezvous ties do not send every tenant to one replica"
+
+
+def test_bounded_load_skips_an_overloaded_holder() -> None:
+    pool = replicas(2)
+    scheduler = Scheduler(1000)
+    wanted = target()
+    scheduler.served(wanted, pool[0])
+    for _ in range(4):
+        pool[0].begin("x")
+    assert within_bound(pool) == [pool[1]]
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.reason) == (pool[1], "least-loaded")
+
+
+def test_no_holder_means_load_on_the_least_loaded_replica_of_the_base() -> None:
+    pool = replicas(3, holding=False)
+    pool[0].begin(None)
+    pool[2].listing = AdapterListing("other-base", "/m", {})
+    decision = Scheduler(10).decide(pool, target())
+    assert (decision.replica, decision.action, decision.reason) == (pool[1], "load", "loaded")
+
+
+def test_pinned_serves_or_loads_on_the_pin_only() -> None:
+    pool = replicas(2)
+    pool[1].listing = AdapterListing("base", "/m", {})
+    scheduler = Scheduler(10)
+    serve = scheduler.decide(pool, target(), pin=pool[0].url)
+    assert (serve.replica, serve.action, serve.reason) == (pool[0], "serve", "pinned")
+    load = scheduler.decide(pool, target(), pin=pool[1].url)
+    assert (load.replica, load.action) == (pool[1], "load")
+    pool[1].healthy = False
+    with pytest.raises(NoEligibleReplica, match="r1 is unhealthy"):
+        scheduler.decide(pool, target(), pin=pool[1].url)
+
+
+def test_nothing_of_the_base_is_a_clear_error_and_base_requests_need_no_version() -> None:
+    pool = replicas(2)
+    with pytest.raises(NoEligibleReplica, match="'other'"):
+        Scheduler(10).decide(pool, Target("t", "other", VERSION, None, []))
+    base_request = Scheduler(10).decide(pool, Target("base", "base", None, None, []))
+    assert (base_request.action, base_request.reason) == ("serve", "least-loaded")
+
+
+def test_evictions_never_offer_a_name_in_use_and_take_retired_then_least_recent() -> None:
+    order = evictions(
+        ["cur-old", "cur-new", "retired", "busy"],
+        in_use={"busy": 1},
+        current={"cur-old", "cur-new", "busy"},
+        last_used={"cur-old": 1.0, "cur-new": 5.0, "retired": 9.0, "busy": 0.0},
+    )
+    assert order == ["retired", "cur-old", "cur-new"]
