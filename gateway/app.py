@@ -225,10 +225,17 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
 
 @contextlib.asynccontextmanager
 async def _background(work: Awaitable[None]) -> AsyncIterator[None]:
+    """Run ``work`` beside the app; a failure is logged at once (never silent), a stop cancels it."""
     task = asyncio.ensure_future(work)
+    task.add_done_callback(_log_failure)
     try:
         yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed and stopped: %r", task.exception(), exc_info=task.exception())

@@ -21,6 +21,7 @@ from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
+from gateway.core.errors import AuditError
 from gateway.proof.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
 from gateway.serving import free_port, running
 from gateway.table.epoch_table import EpochTable
@@ -127,7 +128,7 @@ async def through_kvgate(
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> None:
     async with http.post(url, json=body) as response:
         if response.status != 200:
-            raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
+            raise AuditError(f"{url} answered {response.status}: {await response.text()}")
 
 
 def print_table(rows: list[Row]) -> None:

@@ -19,15 +19,13 @@ from typing import IO
 
 import aiohttp
 
+from gateway.core.errors import ReplicaStartError
+
 _POLL_INTERVAL_S = 0.5
 _PROBE_TIMEOUT_S = 5.0
 _STOP_GRACE_S = 20.0
 _LOG_TAIL_BYTES = 8192
 _LOG_TAIL_LINES = 40
-
-
-class VllmStartError(RuntimeError):
-    """A replica died or did not answer in time while starting; the message ends with its log tail."""
 
 
 @dataclass(frozen=True)
@@ -141,11 +139,11 @@ class VllmProcess:
     async def start(self, timeout: float = 600.0) -> None:  # noqa: ASYNC109 (the documented interface)
         """Spawn the replica and wait until ``GET /v1/models`` answers 200.
 
-        Raises ``VllmStartError`` (a ``RuntimeError``) with the log tail if the process exits or does not
+        Raises ``ReplicaStartError`` with the log tail if the process exits or does not
         answer within ``timeout`` seconds; the process group is stopped first. Cancelling also stops it.
         """
         if self._proc is not None:
-            raise RuntimeError(f"replica on port {self._spec.port} was already started")
+            raise ReplicaStartError(f"replica on port {self._spec.port} was already started")
         spec = self._spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = spec.log_path.open("wb")
@@ -175,7 +173,7 @@ class VllmProcess:
         async with aiohttp.ClientSession(timeout=probe_timeout) as session:
             while True:
                 if proc.returncode is not None:
-                    raise VllmStartError(
+                    raise ReplicaStartError(
                         f"vLLM on port {self._spec.port} exited with code {proc.returncode} while starting; "
                         f"log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
                     )
@@ -185,7 +183,7 @@ class VllmProcess:
                             await resp.read()
                             return
                 if time.monotonic() >= deadline:
-                    raise VllmStartError(
+                    raise ReplicaStartError(
                         f"vLLM on port {self._spec.port} not ready after {budget_s:.0f}s; "
                         f"log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
                     )

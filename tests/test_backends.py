@@ -138,7 +138,7 @@ async def test_sglang_already_loaded_from_another_path_fails(session: aiohttp.Cl
     async with run_sglang_stub(state) as url:
         with pytest.raises(LoadFailed, match="already loaded") as failed:
             await SglangDialect().load(session, url, NAME, PATH)
-    assert failed.value.status == 400
+    assert failed.value.backend_status == 400
     assert state.adapters == {NAME: "/elsewhere"}
 
 
@@ -147,7 +147,7 @@ async def test_sglang_load_failure_carries_sglang_reason(session: aiohttp.Client
     async with run_sglang_stub(state) as url:
         with pytest.raises(LoadFailed, match=r"adapter_config\.json") as failed:
             await SglangDialect().load(session, url, NAME, PATH)
-    assert failed.value.status == 400
+    assert failed.value.backend_status == 400
 
 
 async def test_sglang_reads_loaded_adapters_given_as_lora_refs(session: aiohttp.ClientSession) -> None:
@@ -174,7 +174,7 @@ async def test_sglang_unload_failure_raises(session: aiohttp.ClientSession) -> N
     async with running(canned({"/unload_lora_adapter": (500, "Internal Server Error")})) as url:
         with pytest.raises(LoadFailed, match="Internal Server Error") as failed:
             await SglangDialect().unload(session, url, NAME)
-    assert failed.value.status == 500
+    assert failed.value.backend_status == 500
 
 
 async def test_sglang_purge(session: aiohttp.ClientSession) -> None:
@@ -191,7 +191,7 @@ async def test_sglang_purge_failure_raises(session: aiohttp.ClientSession) -> No
     async with running(canned({"/flush_cache": (503, "Service Unavailable")})) as url:
         with pytest.raises(LoadFailed, match="Service Unavailable") as failed:
             await SglangDialect().purge_prefix_cache(session, url)
-    assert failed.value.status == 503
+    assert failed.value.backend_status == 503
 
 
 async def test_sglang_namespace_is_extra_key(session: aiohttp.ClientSession) -> None:

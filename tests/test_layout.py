@@ -84,3 +84,19 @@ def test_no_import_runs_upward(module: str, path: Path) -> None:
 def test_modules_stay_small(module: str, path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_the_readme_module_table_matches_the_tree() -> None:
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `gateway/")]
+    named = {path for row in rows for path in row.split("|")[1].strip().replace("`", "").split(", ")}
+    assert named, "the README has a module table"
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert missing == [], "the README names modules that do not exist"
+    unnamed = [
+        str(path.relative_to(ROOT))
+        for path in GATEWAY.rglob("*.py")
+        if path.name != "__init__.py"
+        and str(path.relative_to(ROOT)) not in named
+        and not any(str(path.relative_to(ROOT)).startswith(p) for p in named if p.endswith("/"))
+    ]
+    assert sorted(unnamed) == [], "modules missing from the README's module table"

@@ -50,3 +50,22 @@ async def test_traceparent_is_propagated_and_spans_cover_load(
     names = {s.name for s in spans.get_finished_spans()}
     assert {"kvgate.proxy", "kvgate.load"} <= names
     provider.shutdown()
+
+
+async def test_every_decision_observes_its_predicted_prefix_match(
+    redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+    async with running(build_stub(StubState())) as stub_url:
+        settings = Settings(replicas=[stub_url], store=store.root)
+        app = build_app(settings, redis)
+        async with running(app) as url, aiohttp.ClientSession() as http:
+            body = {"model": "tenant-42", "prompt": "p" * 1100, "max_tokens": 1}  # 4 full 256-char blocks
+            for _ in range(2):  # a load (nothing known), then a warm hit on all 4 blocks
+                async with http.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 200
+            async with http.get(f"{url}/metrics") as response:
+                text = await response.text()
+    assert "kvgate_prefix_matched_blocks_count 2.0" in text
+    assert "kvgate_prefix_matched_blocks_sum 4.0" in text

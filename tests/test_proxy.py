@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ def gateway(redis: Redis, store: AdapterStore) -> Gateway:
         settings = Settings(
             replicas=replicas,
             store=store.root,
+            admin_token=overrides.pop("admin_token", ADMIN_TOKEN),
             reconcile_interval=0.1,
             poll_interval=overrides.pop("poll_interval", 0.1),
             drain_grace=overrides.pop("drain_grace", 0.2),
@@ -69,6 +70,28 @@ async def stubs(count: int) -> AsyncIterator[list[tuple[str, StubState]]]:
             return
         async with running(build_stub(states[1])) as b:
             yield [(a, states[0]), (b, states[1])]
+
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], what: str, within: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` if it does not within ``within`` seconds."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not within {within} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def snapshot_has(url: str, logical_id: str, **fields: object) -> bool:
+    """Whether the gateway's snapshot shows ``logical_id`` with these fields (``/kvgate/status``)."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/kvgate/status", headers={"x-kvgate-admin-token": ADMIN_TOKEN}) as response,
+    ):
+        current = (await response.json())["versions"].get(logical_id, {})
+    return all(current.get(key) == value for key, value in fields.items())
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -115,6 +138,13 @@ async def test_streams_carry_the_logical_id_in_every_chunk(gateway: Gateway, pub
     assert "".join(c.choices[0].text for c in text_chunks) == "t0t1t2t3"
 
 
+def _true_when(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def condition() -> bool:
+        return check()
+
+    return condition
+
+
 async def test_new_version_replaces_old_and_old_is_unloaded(gateway: Gateway, publish: Any) -> None:
     async with stubs(1) as backends:
         (stub_url, stub) = backends[0]
@@ -124,12 +154,12 @@ async def test_new_version_replaces_old_and_old_is_unloaded(gateway: Gateway, pu
                 model="tenant-42", prompt="p", max_tokens=1
             )
             v2 = await publish("tenant-42", b"v2")
-            await asyncio.sleep(0.3)  # the hint (or the reconcile) reaches the snapshot
+            await eventually(lambda: snapshot_has(url, "tenant-42", name=v2), "the snapshot serves v2")
             after = [
                 await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
                 for _ in range(3)
             ]
-            await asyncio.sleep(1.0)  # drain grace 0.2 s, then the sweeper unloads v1
+            await eventually(_true_when(lambda: list(stub.adapters) == [v2]), "v1 unloaded after the drain")
     assert first.headers["x-kvgate-version"] == v1
     assert {r.headers["x-kvgate-version"] for r in after} == {v2}
     assert {r.headers["x-kvgate-epoch"] for r in after} == {"2"}
@@ -179,7 +209,7 @@ async def test_bump_changes_the_cache_namespace(gateway: Gateway, publish: Any, 
         async with gateway([backends[0][0]]) as url, client(url) as api:
             await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
             await table.bump("tenant-42")
-            await asyncio.sleep(0.3)
+            await eventually(lambda: snapshot_has(url, "tenant-42", epoch=2), "the snapshot has epoch 2")
             await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
     salts = [body["cache_salt"] for body in backends[0][1].received]
     assert len(set(salts)) == 2
@@ -279,10 +309,7 @@ async def test_purge_all_resets_every_replica_and_retries_while_busy(
         async with gateway([u for u, _ in backends], invalidation="purge-all") as url, client(url) as api:
             await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
             await publish("tenant-42", b"v2")
-            for _ in range(50):
-                if all(state.resets for _, state in backends):
-                    break
-                await asyncio.sleep(0.1)
+            await eventually(_true_when(lambda: all(state.resets for _, state in backends)), "both purged")
     assert [state.resets for _, state in backends] == [1, 1]
     assert backends[0][1].busy_resets == 0
     assert "cache_salt" not in backends[0][1].received[-1], "purge-all pools send no cache namespace"

@@ -10,8 +10,11 @@
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
     ├── UpstreamError                502 upstream_error
     │   ├── BackendUnreachable       502 upstream_error         (connect/reset before the first byte)
-    │   └── BackendTimeout           504 upstream_timeout
-    └── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
+    │   ├── BackendTimeout           504 upstream_timeout
+    │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
+    ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
+    ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
+    └── ReplicaStartError            500 internal_error         (a vLLM replica kvgate starts did not come up)
 
 Each error knows its HTTP status and renders an OpenAI-style body:
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
@@ -94,6 +97,28 @@ class BackendTimeout(UpstreamError):
     type = "upstream_timeout"
 
 
+class LoadFailed(UpstreamError):
+    """A replica refused or failed a load, unload or purge; ``reason`` is its own words."""
+
+    def __init__(self, reason: str, backend_status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.backend_status = backend_status
+
+
 class NoEligibleReplica(KvgateError):
     status = 503
     type = "service_unavailable"
+
+
+class AuditError(KvgateError):
+    """The audit (or the canary) could not observe a replica: an error answer, a malformed one, no
+    replica to audit. No verdict is drawn from it."""
+
+    status = 502
+    type = "audit_error"
+
+
+class ReplicaStartError(KvgateError):
+    """A replica kvgate starts itself (the demo, the tests) died or did not answer in time; the message
+    ends with its log tail."""

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from gateway.core.errors import InvalidAdapter
+from gateway.core.errors import AuditError, InvalidAdapter, Unauthorized
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.core.wire import (
     ADMIN_TOKEN_HEADER,
@@ -191,8 +191,10 @@ class GatewayTarget:
     async def status(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         headers = {ADMIN_TOKEN_HEADER: self.admin_token}
         async with http.get(f"{self.gateway}/kvgate/status", headers=headers) as response:
+            if response.status == 401:
+                raise Unauthorized(f"{self.gateway} refused the admin token: {await response.text()}")
             if response.status != 200:
-                raise RuntimeError(
+                raise AuditError(
                     f"{self.gateway}/kvgate/status answered {response.status}: {await response.text()}"
                 )
             doc: dict[str, Any] = await response.json()
@@ -209,7 +211,7 @@ class GatewayTarget:
             if await self.serves(http, digest):
                 return
             await asyncio.sleep(0.05)
-        raise RuntimeError(f"{self.gateway} did not switch {self.logical_id} to {digest[:16]} in {within} s")
+        raise AuditError(f"{self.gateway} did not switch {self.logical_id} to {digest[:16]} in {within} s")
 
 
 async def audit_round(
@@ -223,7 +225,7 @@ async def audit_round(
     prompt = prompt or long_prompt()
     replicas = await target.replicas(http)
     if not replicas:
-        raise RuntimeError("no healthy replica to audit")
+        raise AuditError("no healthy replica to audit")
     observations = [await target.observe(http, replica, prompt, colds) for replica in replicas]
     return judge(observations, expected_digest)
 
@@ -245,7 +247,7 @@ async def audit_before_after(
 async def run_shell(command: str) -> None:
     process = await asyncio.create_subprocess_shell(command)
     if await process.wait() != 0:
-        raise RuntimeError(f"update command failed with exit code {process.returncode}: {command}")
+        raise AuditError(f"update command failed with exit code {process.returncode}: {command}")
 
 
 def _digest_of(root: str | None) -> str | None:

@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 
+from gateway.core.errors import KvgateError
 from gateway.core.model import Target
 from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
@@ -50,7 +51,7 @@ class Canary:
                 continue
             try:
                 await self._audit(logical_id)
-            except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, ValueError) as exc:
+            except (KvgateError, aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("canary round for %s failed: %s", logical_id, exc)
 
     async def _audit(self, logical_id: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.core.errors import AuditError
 from gateway.core.wire import EVIDENCE_HEADERS
 
 _SENTENCES = (
@@ -58,7 +59,7 @@ async def complete(
     cache_salt: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Sample:
-    """One greedy completion with token logprobs; raises for any non-200 answer."""
+    """One greedy completion with token logprobs; ``AuditError`` for an error or a malformed answer."""
     body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
@@ -70,17 +71,25 @@ async def complete(
         body["cache_salt"] = cache_salt
     async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
-            raise RuntimeError(f"{base_url} answered {response.status}: {await response.text()}")
-        doc = await response.json()
+            raise AuditError(f"{base_url} answered {response.status}: {await response.text()}")
+        try:
+            doc = await response.json(content_type=None)
+        except ValueError as exc:
+            raise AuditError(f"{base_url} answered with a body that is not JSON: {exc}") from exc
         evidence = {name: response.headers[name] for name in EVIDENCE_HEADERS if name in response.headers}
-    choice = doc["choices"][0]
-    usage = doc.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return Sample(
-        text=choice["text"],
-        token_logprobs=tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
-        cached_tokens=int(details.get("cached_tokens") or 0),
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        model=doc["model"],
-        evidence=evidence,
-    )
+    try:
+        choice = doc["choices"][0]
+        usage = doc.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Sample(
+            text=choice["text"],
+            token_logprobs=tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            model=doc["model"],
+            evidence=evidence,
+        )
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise AuditError(
+            f"{base_url} answered a completion without text and token logprobs: {exc!r}"
+        ) from exc

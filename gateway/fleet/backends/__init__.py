@@ -1,6 +1,7 @@
 """Backend dialects: how to list, load and unload adapters on one kind of server, and name its cache."""
 
-from gateway.fleet.backends.base import AdapterListing, BackendDialect, LoadFailed, fetch_model_list
+from gateway.core.errors import LoadFailed
+from gateway.fleet.backends.base import AdapterListing, BackendDialect, fetch_model_list
 from gateway.fleet.backends.generic import GenericOpenAIDialect
 from gateway.fleet.backends.sglang import SglangDialect
 from gateway.fleet.backends.vllm import VllmDialect

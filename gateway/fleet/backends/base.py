@@ -17,15 +17,6 @@ class AdapterListing:
     adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> root path it was loaded from
 
 
-class LoadFailed(Exception):
-    """The backend refused or failed a load/unload/purge; ``reason`` is its own words."""
-
-    def __init__(self, reason: str, status: int | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-
-
 def parse_model_list(listing: Any) -> AdapterListing:
     """Read an OpenAI model list: the first entry without ``parent`` is the base, the rest are adapters.
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from gateway.fleet.backends.base import AdapterListing, LoadFailed, fetch_model_list
+from gateway.core.errors import LoadFailed
+from gateway.fleet.backends.base import AdapterListing, fetch_model_list
 
 log = logging.getLogger(__name__)
 

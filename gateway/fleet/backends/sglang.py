@@ -29,7 +29,8 @@ from typing import Any
 
 import aiohttp
 
-from gateway.fleet.backends.base import AdapterListing, LoadFailed, fetch_model_list
+from gateway.core.errors import LoadFailed
+from gateway.fleet.backends.base import AdapterListing, fetch_model_list
 
 _ALREADY_LOADED = ("already loaded", "already exists")
 _GONE = ("does not exist", "not found", "not loaded")
