@@ -1,54 +1,65 @@
 --[[
-rollback_version: point a logical ID back at an earlier published version (a new epoch), atomically.
+rollback_version: point a logical ID back at an earlier version published for BASE (a new epoch), atomically.
+Only versions published for BASE are candidates: the same digest published for another base is another
+version. Needs lua/lib/common.lua prepended (kvgate does; `kvgate script rollback_version` prints both).
 
 KEYS[1]  kvg:{ID}:state     KEYS[2] kvg:{ID}:versions     KEYS[3] kvg:{ID}:history
 ARGV[1]  logical ID
-ARGV[2]  target digest, or a unique prefix of one (>= 8 hex), or '' for the version current before this one
-ARGV[3]  now (ms)            ARGV[4] hint channel          ARGV[5] history length kept
+ARGV[2]  target digest, or a unique prefix of one (at least ARGV[7] characters), or '' for the newest
+         version of BASE in the history that is not the current one
+ARGV[3]  base identity BASE the rollback stays within
+ARGV[4]  now (ms)            ARGV[5] hint channel          ARGV[6] history length kept
+ARGV[7]  shortest digest prefix accepted (kvgate passes 8)
 
 Returns {code, epoch, digest}:
-   1  rolled back: the target is current under a new epoch (a hint was published)
-   0  unchanged: the target is already current
-  -1  the logical ID has no current version
-  -2  no such version (never published here, or no earlier version to go back to)
-  -3  the digest prefix matches more than one version
+  CODE.CHANGED             rolled back: the target is current under a new epoch (a hint was published)
+  CODE.UNCHANGED           the target (same digest, same base) is already current
+  CODE.NO_CURRENT_VERSION  the logical ID has no current version
+  CODE.NO_SUCH_VERSION     no such version for BASE (never published for it, or none earlier to go back to)
+  CODE.AMBIGUOUS_PREFIX    the digest prefix matches more than one version of BASE
+  CODE.PREFIX_TOO_SHORT    the digest prefix is shorter than ARGV[7] (refused even if it matches)
 ]]
-local id, wanted, now = ARGV[1], ARGV[2], ARGV[3]
-local current = redis.call('HGET', KEYS[1], 'digest')
-if not current then
-  return {-1, 0, ''}
+local id, wanted, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch')
+if not current[1] then
+  return {CODE.NO_CURRENT_VERSION, 0, ''}
+end
+local function is_current(digest)
+  return digest == current[1] and base == current[2]
 end
 local target = nil
 if wanted == '' then
   for _, raw in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
     local event = cjson.decode(raw)
-    if event.digest ~= current then
+    if event.base == base and not is_current(event.digest) then
       target = event.digest
       break
     end
   end
+elseif string.len(wanted) < tonumber(ARGV[7]) then
+  return {CODE.PREFIX_TOO_SHORT, 0, ''}
 else
-  for _, digest in ipairs(redis.call('HKEYS', KEYS[2])) do
-    if string.sub(digest, 1, string.len(wanted)) == wanted then
+  for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+    local digest = digest_for_base(field, base)
+    if digest and string.sub(digest, 1, string.len(wanted)) == wanted then
       if target then
-        return {-3, 0, ''}
+        return {CODE.AMBIGUOUS_PREFIX, 0, ''}
       end
       target = digest
     end
   end
 end
-local record = target and redis.call('HGET', KEYS[2], target)
+local record = target and redis.call('HGET', KEYS[2], version_field(base, target))
 if not record then
-  return {-2, 0, ''}
+  return {CODE.NO_SUCH_VERSION, 0, ''}
 end
-if target == current then
-  return {0, tonumber(redis.call('HGET', KEYS[1], 'epoch')), target}
+if is_current(target) then
+  return {CODE.UNCHANGED, tonumber(current[3]), target}
 end
 local version = cjson.decode(record)
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'digest', target, 'name', version.name, 'path', version.path,
-  'base', version.base, 'updated_ms', now)
-redis.call('LPUSH', KEYS[3], cjson.encode({epoch = epoch, digest = target, action = 'rollback', at_ms = tonumber(now)}))
-redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[5]) - 1)
-redis.call('PUBLISH', ARGV[4], id)
-return {1, epoch, target}
+  'base', base, 'updated_ms', now)
+append_history(KEYS[3], ARGV[6], epoch, target, base, 'rollback', now)
+redis.call('PUBLISH', ARGV[5], id)
+return {CODE.CHANGED, epoch, target}

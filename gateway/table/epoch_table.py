@@ -1,17 +1,22 @@
 """The shared epoch table in Redis: one thin typed wrapper over the Lua scripts in ``lua/``.
 
-Every mutation is one script (atomic, one Cluster slot, publishes a hint). Scripts return status
-codes; ``_raise_for`` is the one place that maps them to exceptions. ``now`` is passed in (ms) so
-tests control time.
+Every mutation is one script (atomic, one Cluster slot, publishes a hint). Each operation
+``lua/NAME.lua`` runs with ``lua/lib/common.lua`` prepended (``assemble_script``; ``kvgate script NAME``
+prints the same text for ``redis-cli --eval``). The status codes are the lib's ``CODE`` table, which
+``codes()`` reads from that same file; ``_raise_for`` is the one place that maps them to exceptions.
+``now`` is passed in (ms) so tests control time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -22,7 +27,7 @@ from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from gateway.core.errors import EpochTableError, ModelNotFound, VersionNotFound
+from gateway.core.errors import BadRequest, EpochTableError, ModelNotFound, VersionNotFound
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.telemetry import tracing as attr
@@ -44,15 +49,69 @@ def lua_dir() -> Traversable:
     return resources.files("gateway.lua")
 
 
+LIB = ("lib", "common.lua")
+"""Prepended to every operation: the CODE table and the helpers the scripts share (not an operation)."""
+
+
+def lib_source() -> str:
+    folder, name = LIB  # one joinpath a step: an installed gateway.lua is a namespace package's path
+    return lua_dir().joinpath(folder).joinpath(name).read_text()
+
+
+def operation_names() -> list[str]:
+    """Every operation script: each ``lua/*.lua`` (the lib lives in a subfolder)."""
+    return sorted(
+        entry.name.removesuffix(".lua")
+        for entry in lua_dir().iterdir()
+        if entry.is_file() and entry.name.endswith(".lua")
+    )
+
+
+def assemble_script(name: str) -> str:
+    """The self-contained text Redis runs for operation NAME: the lib, then ``lua/NAME.lua``."""
+    if name not in operation_names():
+        raise BadRequest(f"no epoch table script {name!r}; one of {', '.join(operation_names())}")
+    operation = lua_dir().joinpath(f"{name}.lua").read_text()
+    banner = f"-- kvgate script {name}: lua/{'/'.join(LIB)}, then lua/{name}.lua\n"
+    return f"{banner}{lib_source()}\n{operation}"
+
+
+_CODE_TABLE = re.compile(r"^local CODE = \{\n(?P<body>.*?)^\}", re.MULTILINE | re.DOTALL)
+_CODE_ENTRY = re.compile(r"(?P<name>[A-Z][A-Z_]*)\s*=\s*(?P<value>-?\d+)\s*,?")
+
+
+def parse_codes(lua: str) -> Mapping[str, int]:
+    """The ``local CODE = {NAME = number, ...}`` table of the lib, one entry a line (``--`` comments)."""
+    table = _CODE_TABLE.search(lua)
+    if table is None:
+        raise EpochTableError("the Lua lib has no `local CODE = {...}` table")
+    found: dict[str, int] = {}
+    for line in table["body"].splitlines():
+        text = line.split("--", 1)[0].strip()
+        if not text:
+            continue
+        entry = _CODE_ENTRY.fullmatch(text)
+        if entry is None or entry["name"] in found:
+            raise EpochTableError(f"cannot read Lua CODE entry {text!r}")
+        found[entry["name"]] = int(entry["value"])
+    if len(set(found.values())) != len(found):
+        raise EpochTableError(f"Lua CODE values are not distinct: {found}")
+    return types.MappingProxyType(found)
+
+
+@functools.cache
+def codes() -> Mapping[str, int]:
+    """The scripts' status codes by name, read from the lib (the one place they are written)."""
+    return parse_codes(lib_source())
+
+
 class EpochTable:
     def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms, tracer: Tracer | None = None) -> None:
         self.redis = redis
         self.clock = clock
         self.tracer = tracer or NoOpTracer()
         self.scripts: dict[str, AsyncScript] = {
-            entry.name.removesuffix(".lua"): redis.register_script(entry.read_text())
-            for entry in lua_dir().iterdir()
-            if entry.name.endswith(".lua")
+            name: redis.register_script(assemble_script(name)) for name in operation_names()
         }
 
     async def _run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
@@ -85,23 +144,25 @@ class EpochTable:
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
             [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
         )
-        _raise_for(int(code), logical_id, digest)
-        return Change(changed=int(code) == 1, epoch=int(epoch), digest=digest)
+        _raise_for(int(code), logical_id, digest, base)
+        return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=digest)
 
-    async def rollback(self, logical_id: str, digest: str = "") -> Change:
+    async def rollback(self, logical_id: str, digest: str, base: str) -> Change:
+        """Go back to DIGEST (or a unique prefix of at least ``keys.DIGEST_PREFIX_MIN``; '' for the
+        previous version), choosing only among versions published for BASE."""
         with self._span("kvgate.rollback", logical_id, digest=digest) as span:
-            change = await self._rollback(logical_id, digest)
+            change = await self._rollback(logical_id, digest, base)
             span.set_attribute(attr.EPOCH, change.epoch)
             return change
 
-    async def _rollback(self, logical_id: str, digest: str) -> Change:
+    async def _rollback(self, logical_id: str, digest: str, base: str) -> Change:
         code, epoch, target = await self._run(
             "rollback_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [logical_id, digest, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, keys.DIGEST_PREFIX_MIN],
         )
-        _raise_for(int(code), logical_id, digest)
-        return Change(changed=int(code) == 1, epoch=int(epoch), digest=_text(target))
+        _raise_for(int(code), logical_id, digest, base)
+        return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=_text(target))
 
     async def bump(self, logical_id: str) -> Change:
         with self._span("kvgate.bump", logical_id) as span:
@@ -122,9 +183,11 @@ class EpochTable:
         await self.redis.sadd(keys.REPLICAS, replica)
         doc = json.dumps(loaded, sort_keys=True, separators=(",", ":"))
         changed = await self._run(
-            "record_loaded", [keys.replica_loaded(replica)], [replica, doc, ttl_ms, keys.HINTS]
+            "record_loaded",
+            [keys.replica_loaded(replica)],
+            [replica, doc, ttl_ms, keys.HINTS, keys.REPLICA_HINT_PREFIX],
         )
-        return int(changed) == 1
+        return int(changed) == codes()["CHANGED"]
 
     async def acquire_load_lock(
         self, logical_id: str, name: str, replica: str, token: str, ttl_ms: int
@@ -170,17 +233,26 @@ class EpochTable:
         return loaded
 
 
-def _raise_for(code: int, logical_id: str, digest: str) -> None:
-    """The one map from Lua status codes to exceptions."""
-    if code in (0, 1):
+def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
+    """The one map from Lua status codes (the lib's CODE table, by name) to exceptions."""
+    name = {value: key for key, value in codes().items()}.get(code)
+    if name in ("CHANGED", "UNCHANGED"):
         return
-    if code == -1:
+    if name == "NO_CURRENT_VERSION":
         raise ModelNotFound(f"logical ID {logical_id!r} has no published version", param="model")
-    if code == -2:
+    for_base = f" for base {base!r}" if base else ""
+    if name == "NO_SUCH_VERSION":
         wanted = f"version {digest!r}" if digest else "an earlier version"
-        raise VersionNotFound(f"{logical_id!r} has no {wanted}", param="digest")
-    if code == -3:
-        raise VersionNotFound(f"digest prefix {digest!r} of {logical_id!r} is ambiguous", param="digest")
+        raise VersionNotFound(f"{logical_id!r} has no {wanted}{for_base}", param="digest")
+    if name == "AMBIGUOUS_PREFIX":
+        raise VersionNotFound(
+            f"digest prefix {digest!r} of {logical_id!r} is ambiguous{for_base}", param="digest"
+        )
+    if name == "PREFIX_TOO_SHORT":
+        raise BadRequest(
+            f"digest prefix {digest!r} is too short: give at least {keys.DIGEST_PREFIX_MIN} hex characters",
+            param="digest",
+        )
     raise EpochTableError(f"epoch table script returned unknown code {code}")
 
 

@@ -3,15 +3,17 @@
 Per logical ID, all keys share the hash tag ``{ID}`` so each Lua script touches one Redis Cluster slot:
 
     kvg:{ID}:state       hash: digest, name, path, base, epoch, updated_ms   (the current version)
-    kvg:{ID}:versions    hash: digest -> JSON {name, path, base, published_ms} (every version published)
-    kvg:{ID}:history     list: JSON {epoch, digest, action, at_ms}, newest first
+    kvg:{ID}:versions    hash: BASE|DIGEST -> JSON {name, path, base, published_ms}
+                         (every version published: a version is a digest for a base; a digest is 64 hex)
+    kvg:{ID}:history     list: JSON {epoch, digest, base, action, at_ms}, newest first
     kvg:{ID}:lock:NAME@REPLICA   single-flight load lock (a string owner token with a TTL)
 
 Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL).
 Indexes, each in its own slot, kept with plain SADD before the scripts that need them run:
 ``kvg:ids`` (logical IDs) and ``kvg:replicas`` (replica URLs). An indexed ID with no state is ignored.
 ``kvg:generation`` changes when Redis comes back empty. Hints go to the pub/sub channel ``kvg:hints``:
-the message is a logical ID, or ``replica:URL``.
+the message is a logical ID, or ``REPLICA_HINT_PREFIX`` + URL (scripts get the channel and prefix as ARGV).
+``HISTORY_KEPT`` and ``DIGEST_PREFIX_MIN`` are limits the scripts get as ARGV too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ REPLICAS = f"{PREFIX}:replicas"
 HINTS = f"{PREFIX}:hints"
 REPLICA_HINT_PREFIX = "replica:"
 HISTORY_KEPT = 100
+DIGEST_PREFIX_MIN = 8  # a rollback target given as a digest prefix needs at least this many characters
 
 
 def state(logical_id: str) -> str:
