@@ -21,16 +21,16 @@ from typing import Any
 import aiohttp
 import uvloop
 from opentelemetry.sdk.trace import TracerProvider
+from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
-from gateway.config import Settings, load_settings
+from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, scan_adapter, versioned_name
-from gateway.fleet.backends import DIALECTS, dialect_for
-from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
+from gateway.fleet.backends import dialect_for
 from gateway.proof.audit import (
     AuditTarget,
     DirectTarget,
@@ -44,20 +44,15 @@ from gateway.proof.audit import (
 )
 from gateway.proof.audit import to_json as audit_json
 from gateway.serving import running
-from gateway.table.epoch_table import EpochTable
+from gateway.table.epoch_table import EpochTable, assemble_script, operation_names
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.tracing import tracer_from, tracer_provider_from_env
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (env: KVGATE_CONFIG)")
-    parser.add_argument("--store", type=Path, help="content-addressed adapter store directory")
-    parser.add_argument("--data-dir", type=Path, help="holds the embedded Redis (data and socket)")
-    parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
-    parser.add_argument("--base-model", help="served name of the pool's base model")
-    parser.add_argument("--base-model-root", help="root path every replica's base must report")
-    parser.add_argument("--backend", choices=DIALECTS, help="the replicas' server kind (default vllm)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_setting_flags(parser, command)  # one flag per setting the command uses, from the Settings model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,36 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gateway")
-    _common(serve)
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--replica", dest="replicas", action="append", help="a vLLM base URL (repeat)")
-    serve.add_argument("--admin-token", help="enables the admin surface (prefer KVGATE_ADMIN_TOKEN)")
-    serve.add_argument("--invalidation", choices=(VERSION_SCOPED, PURGE_ALL), help="default version-scoped")
-    serve.add_argument("--canary-interval", type=float, help="seconds between canary audits (0: off)")
+    _common(serve, "serve")
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
-    _common(publish)
+    _common(publish, "publish")
     publish.add_argument("logical_id")
     publish.add_argument("adapter_dir", type=Path)
 
     rollback = commands.add_parser("rollback", help="point a logical ID back at an earlier version")
-    _common(rollback)
+    _common(rollback, "rollback")
     rollback.add_argument("logical_id")
     rollback.add_argument("digest", nargs="?", default="", help="digest or unique prefix; default: previous")
 
     bump = commands.add_parser("bump", help="new epoch (new cache namespace) for a logical ID")
-    _common(bump)
+    _common(bump, "bump")
     bump.add_argument("logical_id")
 
     status = commands.add_parser("status", help="every logical ID: digest, epoch, replicas that loaded it")
-    _common(status)
+    _common(status, "status")
 
     audit = commands.add_parser("audit", help="cold-versus-warm coherence audit, per replica")
-    _common(audit)
+    _common(audit, "audit")
     audit.add_argument("logical_id", nargs="?", help="audit this logical ID through --gateway")
     audit.add_argument("--gateway", help="kvgate URL (needs --admin-token / KVGATE_ADMIN_TOKEN)")
-    audit.add_argument("--admin-token", help="the gateway's admin token")
     audit.add_argument("--direct", action="append", help="a raw server URL (repeat); no kvgate involved")
     audit.add_argument("--model", help="with --direct: the adapter name on the server(s)")
     audit.add_argument("--before-after", action="store_true", help="audit, run the update, audit again")
@@ -108,18 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     demo = commands.add_parser("demo", help="the fault and the cure, side by side, on real vLLM replicas")
-    _common(demo)
+    _common(demo, "demo")
     demo.add_argument("--vllm-python", type=Path, required=True, help="python of the vLLM CPU virtualenv")
     demo.add_argument("--fixture-dir", type=Path, required=True, help="tiny model and adapters")
+
+    script = commands.add_parser("script", help="print an epoch table Lua script whole, for redis-cli --eval")
+    script.add_argument("name", choices=operation_names(), help="lua/NAME.lua")
     return parser
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    names = ("store", "data_dir", "redis_url", "base_model", "base_model_root", "host", "port", "replicas",
-             "admin_token", "backend", "canary_interval", "invalidation")  # fmt: skip
-    overrides = {name: getattr(args, name, None) for name in names}
+    """The command's settings: its flags (exactly those it has) over the environment over the config file."""
     env_config = os.environ.get("KVGATE_CONFIG")
-    return load_settings(overrides, args.config or (Path(env_config) if env_config else None))
+    config_file = args.config or (Path(env_config) if env_config else None)
+    try:
+        return load_settings(flag_overrides(args, args.command), config_file)
+    except ValidationError as exc:
+        raise BadRequest(describe_invalid(exc)) from exc
 
 
 @contextlib.asynccontextmanager
@@ -163,11 +156,11 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
 async def cmd_rollback(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     logical_id = check_logical_id(args.logical_id)
     async with open_table(settings, tracing) as table:
-        change = await table.rollback(logical_id, args.digest)
+        change = await table.rollback(logical_id, args.digest, settings.base_identity)
     name = versioned_name(logical_id, change.digest)
     verb = "rolled back" if change.changed else "unchanged (already current)"
     doc = {"logical_id": logical_id, "digest": change.digest, "name": name, "epoch": change.epoch,
-           "changed": change.changed}  # fmt: skip
+           "changed": change.changed, "base": settings.base_identity}  # fmt: skip
     _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch}")
 
 
@@ -298,6 +291,9 @@ COMMANDS: dict[str, Command] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "script":  # needs no settings and no Redis: the text Redis would run
+        print(assemble_script(args.name), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)

@@ -1,13 +1,33 @@
-"""Settings precedence: command line over KVGATE_* environment over the TOML config file over defaults."""
+"""Settings: precedence (command line over KVGATE_* environment over the TOML file over defaults), one flag
+per setting generated from the model, the README table generated from it too, and refused combinations."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import get_args
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
-from gateway.config import load_settings
+from gateway.cli import build_parser, main, settings_from
+from gateway.config import (
+    COMMANDS,
+    END,
+    START,
+    Settings,
+    block,
+    description,
+    env_var,
+    flag,
+    flag_overrides,
+    load_settings,
+    readme_block,
+    readme_table_tool,
+    setting_names,
+)
+from gateway.fleet.backends import DIALECTS
+from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
 
 
 def test_cli_beats_env_beats_file_beats_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,3 +53,138 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path) -> None:
         load_settings({}, config)
     with pytest.raises(ValidationError):
         load_settings({"invalidation": "sometimes"}, None)
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# A non-default value for every setting, as typed on the command line and as parsed; a new setting needs one.
+FLAG_VALUES: dict[str, tuple[str, object]] = {
+    "host": ("0.0.0.0", "0.0.0.0"),
+    "port": ("9100", 9100),
+    "replicas": ("http://r1:8000/", ["http://r0:8000", "http://r1:8000"]),  # after --replica http://r0:8000
+    "store": ("/srv/store", Path("/srv/store")),
+    "data_dir": ("/srv/kvgate", Path("/srv/kvgate")),
+    "redis_url": ("redis://cache:6379/0", "redis://cache:6379/0"),
+    "backend": ("sglang", "sglang"),
+    "invalidation": ("purge-all", "purge-all"),
+    "base_model": ("llama", "llama"),
+    "base_model_root": ("/models/llama", "/models/llama"),
+    "reconcile_interval": ("2.5", 2.5),
+    "poll_interval": ("0.5", 0.5),
+    "drain_grace": ("5", 5.0),
+    "max_adapters_per_replica": ("3", 3),
+    "max_body_bytes": ("2048", 2048),
+    "connect_timeout": ("1.5", 1.5),
+    "read_timeout": ("60", 60.0),
+    "load_timeout": ("30", 30.0),
+    "lock_ttl": ("45", 45.0),
+    "prefix_index_entries": ("10", 10),
+    "canary_interval": ("7", 7.0),
+    "admin_token": ("s3cret", "s3cret"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_kvgate_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVGATE_"):
+            monkeypatch.delenv(name)
+
+
+def test_lock_ttl_must_outlive_load_timeout() -> None:
+    with pytest.raises(ValidationError, match="lock_ttl"):
+        Settings(load_timeout=120, lock_ttl=120)
+    with pytest.raises(ValidationError, match=r"lock_ttl \(100 s\) must exceed load_timeout \(120 s\)"):
+        Settings(lock_ttl=100)
+    defaults = Settings()
+    assert defaults.lock_ttl > defaults.load_timeout
+    assert Settings(load_timeout=300, lock_ttl=330).lock_ttl == 330
+
+
+def test_every_setting_is_a_serve_flag_that_sets_it() -> None:
+    assert set(FLAG_VALUES) == set(Settings.model_fields)
+    argv = ["serve", "--replica", "http://r0:8000"]
+    for name, (typed, _) in FLAG_VALUES.items():
+        argv += [flag(name), typed]
+    settings = settings_from(build_parser().parse_args(argv))
+    for name, (_, expected) in FLAG_VALUES.items():
+        got = getattr(settings, name)
+        got = got.get_secret_value() if isinstance(got, SecretStr) else got
+        assert got == expected, name
+        assert got != Settings.model_fields[name].get_default(call_default_factory=True), name
+
+
+def test_drain_grace_flag_beats_environment_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text("drain_grace = 9.0\nmax_body_bytes = 4096\nlock_ttl = 200.0\n")
+    monkeypatch.setenv("KVGATE_DRAIN_GRACE", "7")
+    monkeypatch.setenv("KVGATE_CONFIG", str(config))
+    args = build_parser().parse_args(["serve", "--replica", "http://x", "--drain-grace", "5"])
+    settings = settings_from(args)
+    assert (settings.drain_grace, settings.max_body_bytes, settings.lock_ttl) == (5.0, 4096, 200.0)
+    assert settings_from(build_parser().parse_args(["serve"])).drain_grace == 7.0
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_settings_from_passes_exactly_the_flags_the_command_has(command: str) -> None:
+    positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"],
+                   "demo": ["--vllm-python", "py", "--fixture-dir", "fx"]}  # fmt: skip
+    args = build_parser().parse_args([command, *positionals.get(command, [])])
+    parsed = set(vars(args)) & set(Settings.model_fields)
+    assert parsed == set(setting_names(command)) == set(flag_overrides(args, command))
+    common = {"store", "data_dir", "redis_url", "base_model", "base_model_root", "backend"}
+    assert common <= parsed
+    if command == "audit":
+        assert {"connect_timeout", "read_timeout", "admin_token"} <= parsed
+
+
+def test_commands_refuse_settings_they_do_not_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["publish", "t", "dir", "--lock-ttl", "5"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --lock-ttl" in capsys.readouterr().err
+
+
+def test_flag_choices_match_the_backends_and_strategies() -> None:
+    assert get_args(Settings.model_fields["backend"].annotation) == DIALECTS
+    assert get_args(Settings.model_fields["invalidation"].annotation) == (VERSION_SCOPED, PURGE_ALL)
+
+
+def test_every_setting_has_a_description_and_an_environment_name() -> None:
+    for name in Settings.model_fields:
+        assert description(name), name
+        assert env_var(name) == f"KVGATE_{name.upper()}"
+
+
+def test_readme_settings_table_is_the_generated_one() -> None:
+    text = README.read_text()
+    assert readme_block(text) == block()
+    assert readme_table_tool(["--check", str(README)]) == 0
+    for name in Settings.model_fields:
+        assert f"| `{name}` | `{flag(name)}` | `{env_var(name)}` |" in text
+
+
+def test_write_regenerates_a_stale_readme_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{START}\n| stale |\n{END}\n\nafter\n")
+    assert readme_table_tool(["--check", str(readme)]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert readme_table_tool(["--write", str(readme)]) == 0
+    assert readme.read_text() == f"# x\n\n{block()}\n\nafter\n"
+    assert readme_table_tool(["--check", str(readme)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--load-timeout", "10", "--lock-ttl", "5"], "lock_ttl (5 s) must exceed load_timeout (10 s)"),
+        (["--port", "70000"], "port: Input should be less than or equal to 65535"),
+    ],
+)
+def test_invalid_settings_exit_2_with_one_line(
+    argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--replica", "http://x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate serve: invalid settings: ")
+    assert reason in err
+    assert len(err.strip().splitlines()) == 1
