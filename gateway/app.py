@@ -161,7 +161,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
-        scheduler = Scheduler(settings.prefix_index_entries)
+        scheduler = Scheduler(settings.prefix_index_entries, budget=settings.max_adapters_per_replica)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(token, app[SNAPSHOT], app[POOL], scheduler.index)
         options = ProxyOptions(

@@ -49,7 +49,7 @@ def test_index_matches_leading_blocks_and_forgets_least_recent() -> None:
 
 def test_longest_prefix_wins_and_is_recorded_by_the_scheduler() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(1000)
+    scheduler = Scheduler(budget=8, index_entries=1000)
     wanted = target()
     scheduler.index.record(wanted.keys[:2], pool[0].url)
     scheduler.served(wanted, pool[2])
@@ -60,7 +60,7 @@ def test_longest_prefix_wins_and_is_recorded_by_the_scheduler() -> None:
 
 def test_a_prefix_held_everywhere_goes_to_one_replica_whatever_the_order_and_load() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(10_000)
+    scheduler = Scheduler(budget=8, index_entries=10_000)
     wanted = target()
     for replica in pool:
         scheduler.served(wanted, replica)
@@ -74,7 +74,7 @@ def test_a_prefix_held_everywhere_goes_to_one_replica_whatever_the_order_and_loa
 
 def test_ties_spread_different_prefixes_over_replicas() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(100_000)
+    scheduler = Scheduler(budget=8, index_entries=100_000)
     chosen = set()
     for tenant in range(30):
         wanted = target(f"kvg-{tenant}")
@@ -86,7 +86,7 @@ def test_ties_spread_different_prefixes_over_replicas() -> None:
 
 def test_bounded_load_skips_an_overloaded_holder() -> None:
     pool = replicas(2)
-    scheduler = Scheduler(1000)
+    scheduler = Scheduler(budget=8, index_entries=1000)
     wanted = target()
     scheduler.served(wanted, pool[0])
     for _ in range(4):
@@ -100,14 +100,14 @@ def test_no_holder_means_load_on_the_least_loaded_replica_of_the_base() -> None:
     pool = replicas(3, holding=False)
     pool[0].begin(None)
     pool[2].listing = AdapterListing("other-base", "/m", {})
-    decision = Scheduler(10).decide(pool, target())
+    decision = Scheduler(budget=8, index_entries=10).decide(pool, target())
     assert (decision.replica, decision.action, decision.reason) == (pool[1], "load", "loaded")
 
 
 def test_pinned_serves_or_loads_on_the_pin_only() -> None:
     pool = replicas(2)
     pool[1].listing = AdapterListing("base", "/m", {})
-    scheduler = Scheduler(10)
+    scheduler = Scheduler(budget=8, index_entries=10)
     serve = scheduler.decide(pool, target(), pin=pool[0].url)
     assert (serve.replica, serve.action, serve.reason) == (pool[0], "serve", "pinned")
     load = scheduler.decide(pool, target(), pin=pool[1].url)
@@ -120,8 +120,8 @@ def test_pinned_serves_or_loads_on_the_pin_only() -> None:
 def test_nothing_of_the_base_is_a_clear_error_and_base_requests_need_no_version() -> None:
     pool = replicas(2)
     with pytest.raises(NoEligibleReplica, match="'other'"):
-        Scheduler(10).decide(pool, Target("t", "other", VERSION, None, []))
-    base_request = Scheduler(10).decide(pool, Target("base", "base", None, None, []))
+        Scheduler(budget=8, index_entries=10).decide(pool, Target("t", "other", VERSION, None, []))
+    base_request = Scheduler(budget=8, index_entries=10).decide(pool, Target("base", "base", None, None, []))
     assert (base_request.action, base_request.reason) == ("serve", "least-loaded")
 
 
@@ -133,3 +133,19 @@ def test_evictions_never_offer_a_name_in_use_and_take_retired_then_least_recent(
         last_used={"cur-old": 1.0, "cur-new": 5.0, "retired": 9.0, "busy": 0.0},
     )
     assert order == ["retired", "cur-old", "cur-new"]
+
+
+def test_a_hot_version_spreads_to_an_idle_replica_with_room() -> None:
+    pool = replicas(3, holding=False)
+    holder, idle, full = pool
+    holder.listing = AdapterListing("base", "/m", {VERSION.name: VERSION.path})
+    full.listing = AdapterListing("base", "/m", {f"other@{i}": "/x" for i in range(2)})
+    scheduler = Scheduler(index_entries=10, budget=2)
+    assert scheduler.decide(pool, target()).action == "serve", "one request does not spread"
+    for _ in range(2):
+        holder.begin(VERSION.name)
+    decision = scheduler.decide(pool, target())
+    assert (decision.replica, decision.action, decision.reason) == (idle, "load", "spread")
+    idle.listing = AdapterListing("base", "/m", {f"other@{i}": "/x" for i in range(2)})
+    stays = scheduler.decide(pool, target())
+    assert (stays.replica, stays.action) == (holder, "serve"), "no replica with room: the holder serves"

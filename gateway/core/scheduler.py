@@ -14,7 +14,9 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
   of being spread by load (which would make every replica cache every tenant).
 - pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties).
 
-When no replica of the right base holds the version, the decision is "load on the least-loaded one".
+When no replica of the right base holds the version, the decision is "load on the least-loaded one";
+when every holder is over its bounded share and another replica of the base is within it and has room in
+its adapter budget, it is "load there too" (``spread_target``): a hot version spreads.
 ``evictions`` orders what a replica may unload to make room. The ``Scheduler`` owns the prefix index:
 it reads it to decide and records what a replica served, the one place that does either.
 """
@@ -62,7 +64,7 @@ Action = Literal["serve", "load"]
 class Decision(Generic[R]):
     replica: R
     action: Action
-    reason: str  # "prefix" | "least-loaded" | "pinned" | "loaded"
+    reason: str  # serve: "prefix" | "least-loaded" | "pinned"; load: "loaded" | "spread"
     matched_blocks: int = 0
 
 
@@ -88,11 +90,26 @@ def holds_version(replicas: Sequence[R], target: Target) -> list[R]:
     return [r for r in replicas if r.serves(version.name, version.path)]
 
 
+def capacity(replicas: Sequence[ReplicaView], load_factor: float = LOAD_FACTOR) -> int:
+    """The bounded share: in-flight requests one replica may hold, counting the one being placed."""
+    total = sum(r.in_flight for r in replicas) + 1
+    return max(1, math.ceil(load_factor * total / len(replicas)))
+
+
 def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> list[R]:
     """Replicas that can take one more request without exceeding their bounded share."""
-    total = sum(r.in_flight for r in candidates) + 1
-    capacity = max(1, math.ceil(load_factor * total / len(candidates)))
-    return [r for r in candidates if r.in_flight + 1 <= capacity] or list(candidates)
+    cap = capacity(candidates, load_factor)
+    return [r for r in candidates if r.in_flight + 1 <= cap] or list(candidates)
+
+
+def spread_target(of_base: Sequence[R], holders: Sequence[R], budget: int) -> R | None:
+    """Where a hot version should be loaded too: every holder is above its bounded share of the base's
+    load, and a replica of the base that lacks the version is within it and has room in its budget."""
+    cap = capacity(of_base)
+    if any(r.in_flight + 1 <= cap for r in holders):
+        return None
+    room = [r for r in of_base if r not in holders and r.in_flight + 1 <= cap and r.adapter_count < budget]
+    return least_loaded(room) if room else None
 
 
 def eligible(replicas: Sequence[R], target: Target) -> list[R]:
@@ -128,12 +145,19 @@ def _rendezvous(key: bytes, replica: ReplicaView) -> bytes:
 
 
 def decide(
-    replicas: Sequence[R], target: Target, *, pin: str | None = None, matched: Callable[[R], int]
+    replicas: Sequence[R],
+    target: Target,
+    *,
+    pin: str | None = None,
+    matched: Callable[[R], int],
+    budget: int,
 ) -> Decision[R]:
-    """Serve on an eligible replica, or load the target's version on one of its base.
+    """Serve on an eligible replica, or load the target's version on one of its base: because no
+    replica holds it ("loaded"), or because every holder is over its bounded share ("spread").
 
-    ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is known to hold.
-    Raises ``NoEligibleReplica`` when no healthy replica (the pinned one, if pinned) serves the base.
+    ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is known to hold;
+    ``budget`` is the adapters a replica keeps loaded. Raises ``NoEligibleReplica`` when no healthy
+    replica (the pinned one, if pinned) serves the base.
     """
     of_base = pinned(serves_base(healthy(replicas), target.base), pin)
     if not of_base:
@@ -143,6 +167,9 @@ def decide(
         return Decision(least_loaded(of_base), "load", "loaded")
     if pin is not None:
         return Decision(holders[0], "serve", "pinned", matched(holders[0]))
+    spread = spread_target(of_base, holders, budget)
+    if spread is not None:
+        return Decision(spread, "load", "spread")
     allowed = within_bound(holders)
     if target.keys:
         scores = {r.url: matched(r) for r in allowed}
@@ -174,11 +201,15 @@ def evictions(
 class Scheduler:
     """``decide`` over the prefix index this scheduler owns; ``served`` records what a replica computed."""
 
-    def __init__(self, index_entries: int) -> None:
+    def __init__(self, index_entries: int, *, budget: int) -> None:
         self.index = PrefixIndex(index_entries)
+        self.budget = budget
 
     def decide(self, replicas: Sequence[R], target: Target, *, pin: str | None = None) -> Decision[R]:
-        return decide(replicas, target, pin=pin, matched=lambda r: self.index.matched(target.keys, r.url))
+        def matched(replica: R) -> int:
+            return self.index.matched(target.keys, replica.url)
+
+        return decide(replicas, target, pin=pin, matched=matched, budget=self.budget)
 
     def served(self, target: Target, replica: ReplicaView) -> None:
         if target.keys:
