@@ -32,6 +32,7 @@ from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, scan_adapter, versioned_name
 from gateway.fleet.backends import dialect_for
 from gateway.proof.audit import (
+    CANNOT_AUDIT,
     AuditTarget,
     DirectTarget,
     GatewayTarget,
@@ -208,7 +209,8 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
 
 
 async def cmd_audit(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> int:
-    """Exit 0 when every verdict is coherent, 3 when the audit found a fault."""
+    """Exit 0 when every verdict is coherent, 3 when the audit found a fault, 4 when it could not audit
+    (the server's context cannot hold a probe over two KV blocks)."""
     target, update = _audit_plan(args, settings, tracing)
     timeout = aiohttp.ClientTimeout(
         total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
@@ -229,7 +231,10 @@ async def cmd_audit(args: argparse.Namespace, settings: Settings, tracing: Trace
         print(audit_json(rounds))
     else:
         print("\n\n".join(render(name, verdicts) for name, verdicts in rounds.items()))
-    return 3 if any(faulty(verdicts) for verdicts in rounds.values()) else 0
+    if any(faulty(verdicts) for verdicts in rounds.values()):
+        return 3
+    every = [v.verdict for verdicts in rounds.values() for v in verdicts]
+    return 4 if CANNOT_AUDIT in every else 0
 
 
 UpdateStep = Callable[[aiohttp.ClientSession], Awaitable[str | None]]

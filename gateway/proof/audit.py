@@ -10,6 +10,10 @@ not bit-exact; the CPU build is). Verdicts per replica:
 - ``incoherent-on-warm-hit``: a warm request that hit the prefix cache disagrees with cold: the cache
   identity or invalidation fault kvgate exists to prevent.
 - ``coherent``.
+- ``cannot-audit``: the server's context cannot hold a probe over two KV blocks (``probe.py``); no
+  verdict on coherence is drawn.
+
+The probe is sized for the audited server: its context (``max_model_len``) and its own tokenizer.
 
 Targets: through kvgate (``GatewayTarget``: pinning and a cold namespace via the admin token) or a raw
 server (``DirectTarget``: ``cache_salt`` for cold, no kvgate involved).
@@ -39,12 +43,15 @@ from gateway.core.wire import (
     cold_salt,
 )
 from gateway.fleet.backends import fetch_model_list
-from gateway.proof.experiment import Sample, complete, long_prompt
+from gateway.proof.experiment import PROBE_MAX_TOKENS, Sample, complete
+from gateway.proof.probe import CannotAudit, Probe, fit_probe
 
 COHERENT = "coherent"
 INCOHERENT = "incoherent-on-warm-hit"
 MISMATCH = "replica-mismatch"
 NONDETERMINISTIC = "nondeterministic"
+CANNOT_AUDIT = "cannot-audit"
+FAULTS = (INCOHERENT, MISMATCH, NONDETERMINISTIC)
 TOLERANCE_MARGIN = 2.0  # tolerance = margin x the largest disagreement among cold runs
 
 
@@ -131,6 +138,14 @@ async def warm_and_cold(
 class AuditTarget(Protocol):
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]: ...
 
+    async def context(self, http: aiohttp.ClientSession, replica: str) -> int | None:
+        """The replica's context length in tokens, when it reports one."""
+        ...
+
+    async def count_tokens(self, http: aiohttp.ClientSession, replica: str, prompt: str) -> int:
+        """Prompt tokens of ``prompt`` with the replica's own tokenizer (a throwaway, cold request)."""
+        ...
+
     async def observe(
         self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
     ) -> Observation: ...
@@ -145,6 +160,13 @@ class DirectTarget:
 
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
         return list(self.urls)
+
+    async def context(self, http: aiohttp.ClientSession, replica: str) -> int | None:
+        return (await fetch_model_list(http, replica)).max_model_len
+
+    async def count_tokens(self, http: aiohttp.ClientSession, replica: str, prompt: str) -> int:
+        sample = await complete(http, replica, self.model, prompt, max_tokens=1, cache_salt=cold_salt())
+        return sample.prompt_tokens
 
     async def observe(
         self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
@@ -164,6 +186,16 @@ class GatewayTarget:
 
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
         return [r["url"] for r in await self._replica_view(http) if r["healthy"]]
+
+    async def context(self, http: aiohttp.ClientSession, replica: str) -> int | None:
+        view = {r["url"]: r for r in await self._replica_view(http)}
+        context = view.get(replica, {}).get("max_model_len")
+        return context if isinstance(context, int) else None
+
+    async def count_tokens(self, http: aiohttp.ClientSession, replica: str, prompt: str) -> int:
+        headers = {PIN_HEADER: replica, ADMIN_TOKEN_HEADER: self.admin_token, NAMESPACE_HEADER: "cold"}
+        sample = await complete(http, self.gateway, self.logical_id, prompt, max_tokens=1, headers=headers)
+        return sample.prompt_tokens
 
     async def observe(
         self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
@@ -222,12 +254,31 @@ async def audit_round(
     expected_digest: str | None = None,
     prompt: str | None = None,
 ) -> list[Verdict]:
-    prompt = prompt or long_prompt()
     replicas = await target.replicas(http)
     if not replicas:
         raise AuditError("no healthy replica to audit")
+    if prompt is None:
+        try:
+            prompt = (await size_probe(http, target, replicas)).prompt
+        except CannotAudit as exc:
+            return [cannot_audit(replica, exc.message) for replica in replicas]
     observations = [await target.observe(http, replica, prompt, colds) for replica in replicas]
     return judge(observations, expected_digest)
+
+
+async def size_probe(http: aiohttp.ClientSession, target: AuditTarget, replicas: Sequence[str]) -> Probe:
+    """One probe for every replica (so their answers compare): the smallest context, the first tokenizer."""
+    contexts = [context for replica in replicas if (context := await target.context(http, replica))]
+
+    async def count(prompt: str) -> int:
+        return await target.count_tokens(http, replicas[0], prompt)
+
+    return await fit_probe(count, min(contexts, default=None), max_tokens=PROBE_MAX_TOKENS)
+
+
+def cannot_audit(replica: str, reason: str) -> Verdict:
+    nothing = Observation(replica, "", None, None, None, (), ())
+    return Verdict(replica, CANNOT_AUDIT, reason, 0.0, 0, nothing)
 
 
 async def audit_before_after(
@@ -278,4 +329,5 @@ def to_json(rounds: Mapping[str, Sequence[Verdict]]) -> str:
 
 
 def faulty(verdicts: Sequence[Verdict]) -> bool:
-    return any(v.verdict != COHERENT for v in verdicts)
+    """A fault was found (``cannot-audit`` is no verdict, not a fault)."""
+    return any(v.verdict in FAULTS for v in verdicts)

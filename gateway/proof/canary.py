@@ -18,14 +18,22 @@ from gateway.core.model import Target
 from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.proof.audit import COHERENT, Observation, judge, warm_and_cold
-from gateway.proof.experiment import long_prompt
+from gateway.proof.audit import (
+    COHERENT,
+    DirectTarget,
+    Observation,
+    Verdict,
+    cannot_audit,
+    judge,
+    size_probe,
+    warm_and_cold,
+)
+from gateway.proof.probe import CannotAudit
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 ACTIVE_WINDOW_S = 600.0
-CANARY_PROMPT = long_prompt(12)
 
 
 class Canary:
@@ -40,6 +48,8 @@ class Canary:
         self.pool = pool
         self.activity = activity
         self.metrics = metrics
+        self._probes: dict[str, str] = {}
+        """Base identity -> the probe sized for its replicas (their context and tokenizer)."""
 
     async def run_round(self) -> None:
         if self.snapshot.flushed:
@@ -60,13 +70,32 @@ class Canary:
             return
         salt = cache_salt(self.snapshot.generation, version)
         target = Target(logical_id, version.base, version, salt, [])
+        replicas = eligible(self.pool.replicas, target)
+        if not replicas:
+            return
+        try:
+            prompt = await self._probe(
+                version.base, DirectTarget(tuple(r.url for r in replicas), version.name)
+            )
+        except CannotAudit as exc:
+            self._record(logical_id, [cannot_audit(r.url, exc.message) for r in replicas])
+            return
         observations = []
-        for replica in eligible(self.pool.replicas, target):
+        for replica in replicas:
             url, name = replica.url, version.name
-            warm, cold = await warm_and_cold(self.pool.session, url, name, CANARY_PROMPT, 2, warm_salt=salt)
+            warm, cold = await warm_and_cold(self.pool.session, url, name, prompt, 2, warm_salt=salt)
             root = replica.listing.adapters.get(name)
             observations.append(Observation(url, name, version.digest, root, None, warm, cold))
-        for verdict in judge(observations, version.digest) if observations else []:
+        self._record(logical_id, judge(observations, version.digest))
+
+    async def _probe(self, base: str, target: DirectTarget) -> str:
+        if base not in self._probes:
+            probe = await size_probe(self.pool.session, target, list(target.urls))
+            self._probes[base] = probe.prompt
+        return self._probes[base]
+
+    def _record(self, logical_id: str, verdicts: list[Verdict]) -> None:
+        for verdict in verdicts:
             self.metrics.audits.labels(logical_id, verdict.replica, verdict.verdict).inc()
             if verdict.verdict != COHERENT:
                 log.error(

@@ -25,8 +25,13 @@ _SENTENCES = (
 )
 
 
+PROBE_MAX_TOKENS = 8
+"""Tokens generated per probe: enough to compare answers, few enough to keep audits cheap."""
+
+
 def long_prompt(sentences: int = 15) -> str:
-    """A fixed English prompt over several 128-token KV blocks (450 tokens with the test tokenizer)."""
+    """A fixed English prompt of whole sentences (15: 450 tokens with the test tokenizer); ``probe.py``
+    picks the count that fits the audited server."""
     return " ".join(_SENTENCES[i % len(_SENTENCES)] for i in range(sentences))
 
 
@@ -55,7 +60,7 @@ async def complete(
     model: str,
     prompt: str,
     *,
-    max_tokens: int = 8,
+    max_tokens: int = PROBE_MAX_TOKENS,
     cache_salt: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Sample:

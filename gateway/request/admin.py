@@ -63,7 +63,7 @@ class Admin:
         }  # fmt: skip
         replicas = [
             {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "base": r.listing.base_name,
-             "adapters": r.listing.adapters}
+             "max_model_len": r.listing.max_model_len, "adapters": r.listing.adapters}
             for r in self.pool.replicas
         ]  # fmt: skip
         doc = {

@@ -15,6 +15,7 @@ class AdapterListing:
     base_name: str | None
     base_root: str | None
     adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> root path it was loaded from
+    max_model_len: int | None = None  # the base's context length, when the server reports it (vLLM does)
 
 
 def parse_model_list(listing: Any) -> AdapterListing:
@@ -24,6 +25,7 @@ def parse_model_list(listing: Any) -> AdapterListing:
     """
     base_name: str | None = None
     base_root: str | None = None
+    max_model_len: int | None = None
     adapters: dict[str, str] = {}
     models = listing.get("data") if isinstance(listing, dict) else None
     for model in models if isinstance(models, list) else []:
@@ -33,7 +35,9 @@ def parse_model_list(listing: Any) -> AdapterListing:
             adapters[str(model["id"])] = str(model.get("root") or "")
         elif base_name is None:
             base_name, base_root = str(model["id"]), str(model.get("root") or "")
-    return AdapterListing(base_name, base_root, adapters)
+            context = model.get("max_model_len")
+            max_model_len = context if isinstance(context, int) and context > 0 else None
+    return AdapterListing(base_name, base_root, adapters, max_model_len)
 
 
 async def fetch_model_list(session: aiohttp.ClientSession, url: str) -> AdapterListing:
