@@ -1,7 +1,8 @@
 """The aiohttp application: components wired with typed ``AppKey``s, each started by its ``cleanup_ctx``.
 
 Start order: one shared ClientSession → epoch table and snapshot (first full read before serving) →
-replica poller (first poll before serving) → drain/unload sweeper. Stopped in reverse.
+replica poller (first poll before serving) → lease heartbeat → drain/unload sweeper. Stopped in reverse
+(the leases are let go on the way out).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -22,6 +24,7 @@ from gateway.core.errors import BodyTooLarge, KvgateError
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
+from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
 from gateway.periodic import periodically
@@ -29,6 +32,7 @@ from gateway.proof.canary import Canary
 from gateway.request.admin import Admin, list_models
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.table.epoch_table import EpochTable
+from gateway.table.leases import LeaseTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
@@ -45,6 +49,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TRACER = web.AppKey("tracer", Tracer)
 PURGER = web.AppKey("purger", PurgeAll)
 ADMIN = web.AppKey("admin", Admin)
+LEASES = web.AppKey("leases", Leases)
 ACTIVITY = web.AppKey("activity", dict[str, float])
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -100,6 +105,7 @@ def build_app(
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_replica_poller)
+    app.cleanup_ctx.append(_lease_heartbeat)
     app.cleanup_ctx.append(_sweeper)
     app.cleanup_ctx.append(_canary)
     app.cleanup_ctx.append(_purger)
@@ -149,6 +155,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         dialect = dialect_for(settings.backend)
         with_root = settings.base_model_root is not None
         app[POOL] = ReplicaPool(settings.replicas, dialect, session, base_with_root=with_root)
+        gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
+        app[LEASES] = Leases(LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)))
         app[LOADER] = AdapterLoader(
             app[POOL],
             app[TABLE],
@@ -156,8 +164,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             store_root=settings.store,
             budget=settings.max_adapters_per_replica,
             drain_grace=settings.drain_grace,
+            max_drain=settings.max_drain,
             load_timeout=settings.load_timeout,
             lock_ttl=settings.lock_ttl,
+            leases=app[LEASES],
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
@@ -174,6 +184,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             app[SNAPSHOT],
             app[POOL],
             app[LOADER],
+            app[LEASES],
             scheduler,
             app[ADMIN],
             dialect,
@@ -196,6 +207,13 @@ async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
     await app[POOL].refresh_all()
     async with _background(app[POOL].poll_forever(app[SETTINGS].poll_interval, app[TABLE])):
         yield
+
+
+async def _lease_heartbeat(app: web.Application) -> AsyncIterator[None]:
+    leases = app[LEASES]
+    async with _background(leases.run()):
+        yield
+    await leases.let_go()
 
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:

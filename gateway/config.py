@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
+    max_drain: float = Field(600.0, gt=0)
+    """Seconds after which a retired version is unloaded even while kvgates still lease it (counted)."""
+    lease_ttl: float = Field(10.0, gt=0)
+    """Seconds a kvgate's leases outlive its last heartbeat (heartbeat every quarter of it)."""
+    gateway_id: str | None = None
+    """This kvgate's id in the fleet (heartbeat and leases in Redis); default: a random one per start."""
     max_adapters_per_replica: int = Field(8, ge=1)
     """Adapters kvgate keeps loaded per replica; the least recently used idle one is evicted first."""
     max_body_bytes: int = Field(4 << 20, ge=1024)
@@ -92,6 +98,14 @@ class Settings(BaseSettings):
         if isinstance(value, list):
             return [str(url).strip().rstrip("/") for url in value]
         return value
+
+    @model_validator(mode="after")
+    def _drain_within_bound(self) -> Self:
+        if self.max_drain < self.drain_grace:
+            raise ValueError(
+                f"max_drain ({self.max_drain:g} s) must be at least drain_grace ({self.drain_grace:g} s)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lock_outlives_load(self) -> Self:

@@ -6,6 +6,7 @@ last request body it received so tests can see exactly what kvgate forwarded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ class StubState:
     busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
     resets: int = 0
     chunks: int = 4
+    chunk_delay: float = 0.0  # seconds between stream chunks (an LLM's pace)
     break_stream_after: int | None = None
 
 
@@ -90,6 +92,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
             assert request.transport is not None
             request.transport.close()
             return response
+        if state.chunk_delay:
+            await asyncio.sleep(state.chunk_delay)
         delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
         chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                  "model": model, "choices": [{"index": 0, **delta, "finish_reason": None}]}  # fmt: skip

@@ -71,6 +71,9 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "reconcile_interval": ("2.5", 2.5),
     "poll_interval": ("0.5", 0.5),
     "drain_grace": ("5", 5.0),
+    "max_drain": ("50", 50.0),
+    "lease_ttl": ("4", 4.0),
+    "gateway_id": ("gw-east-1", "gw-east-1"),
     "max_adapters_per_replica": ("3", 3),
     "max_body_bytes": ("2048", 2048),
     "connect_timeout": ("1.5", 1.5),
@@ -98,6 +101,12 @@ def test_lock_ttl_must_outlive_load_timeout() -> None:
     defaults = Settings()
     assert defaults.lock_ttl > defaults.load_timeout
     assert Settings(load_timeout=300, lock_ttl=330).lock_ttl == 330
+
+
+def test_max_drain_is_at_least_the_drain_grace() -> None:
+    with pytest.raises(ValidationError, match=r"max_drain \(10 s\) must be at least drain_grace \(30 s\)"):
+        Settings(max_drain=10)
+    assert Settings(drain_grace=5, max_drain=5).max_drain == 5
 
 
 def test_every_setting_is_a_serve_flag_that_sets_it() -> None:

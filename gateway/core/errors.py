@@ -13,6 +13,7 @@
     │   ├── BackendTimeout           504 upstream_timeout
     │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
+    │   └── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
     ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
     └── ReplicaStartError            500 internal_error         (a vLLM replica kvgate starts did not come up)
 
@@ -109,6 +110,10 @@ class LoadFailed(UpstreamError):
 class NoEligibleReplica(KvgateError):
     status = 503
     type = "service_unavailable"
+
+
+class VersionUnloading(NoEligibleReplica):
+    """A kvgate is unloading the version from the chosen replica: no request may start on it there."""
 
 
 class AuditError(KvgateError):

@@ -23,6 +23,7 @@ from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import VersionState
 from gateway.core.scheduler import evictions
 from gateway.fleet.backends import LoadFailed
+from gateway.fleet.leases import Leases
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
@@ -43,12 +44,16 @@ class AdapterLoader:
         store_root: Path,
         budget: int,
         drain_grace: float,
+        max_drain: float,
         load_timeout: float,
         lock_ttl: float,
+        leases: Leases,
         metrics: Metrics,
         tracer: Tracer,
     ) -> None:
         self.pool = pool
+        self.leases = leases
+        self.max_drain = max_drain
         self.table = table
         self.snapshot = snapshot
         self.store_prefix = f"{store_root.resolve()}/"
@@ -96,7 +101,7 @@ class AdapterLoader:
                 return
             if version.name in replica.listing.adapters:
                 # Same name from another root (another store, or loaded by hand): never trust it.
-                await self._unload(replica, version.name, reason="wrong-root")
+                await self._unload(replica, version.name, reason="wrong-root", force=True)
             await self._make_room(replica)
             await self._post_load(replica, version)
             log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
@@ -154,36 +159,77 @@ class AdapterLoader:
         return [name for name, root in replica.listing.adapters.items() if root.startswith(self.store_prefix)]
 
     async def _make_room(self, replica: Replica) -> None:
+        """Unload idle adapters, least recently used across the fleet first, until one more fits;
+        a name another kvgate leases is skipped (if nothing can go, the load goes over budget)."""
         managed = self._managed(replica)
+        if len(managed) < self.budget:
+            return
+        try:
+            last_used = await self.leases.last_use(replica.url)
+        except REDIS_DOWN:
+            last_used = dict(replica.last_used)
         victims = evictions(
             managed,
             in_use=replica.in_flight_by_name,
             current=self.snapshot.current_names(),
-            last_used=replica.last_used,
+            last_used=last_used,
         )
         while len(managed) >= self.budget and victims:
             victim = victims.pop(0)
-            await self._unload(replica, victim, reason="budget")
-            managed.remove(victim)
+            if await self._unload(replica, victim, reason="budget"):
+                managed.remove(victim)
 
-    async def _unload(self, replica: Replica, name: str, *, reason: str) -> None:
-        with self.tracer.start_as_current_span("kvgate.unload") as span:
-            span.set_attribute(attr.VERSION_NAME, name)
-            span.set_attribute(attr.REPLICA, replica.url)
-            span.set_attribute(attr.UNLOAD_REASON, reason)
-            try:
-                await self.pool.dialect.unload(self.pool.session, replica.url, name)
-            except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
-                log.warning("unloading %s from %s failed: %s", name, replica.url, exc)
-                span.set_status(StatusCode.ERROR, str(exc))
-                return
+    async def _unload(self, replica: Replica, name: str, *, reason: str, force: bool = False) -> bool:
+        """Unload ``name`` once no live kvgate leases it (``force``: whatever leases it); True if gone."""
+        if not await self._claim(replica, name, force=force):
+            return False
+        unloaded = False
+        try:
+            with self.tracer.start_as_current_span("kvgate.unload") as span:
+                span.set_attribute(attr.VERSION_NAME, name)
+                span.set_attribute(attr.REPLICA, replica.url)
+                span.set_attribute(attr.UNLOAD_REASON, reason)
+                try:
+                    await self.pool.dialect.unload(self.pool.session, replica.url, name)
+                    unloaded = True
+                except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
+                    log.warning("unloading %s from %s failed: %s", name, replica.url, exc)
+                    span.set_status(StatusCode.ERROR, str(exc))
+                    return False
+        finally:
+            await self._release_claim(replica, name, unloaded=unloaded)
         self.metrics.unloads.labels(replica.url, reason).inc()
-        log.info("unloaded %s from %s", name, replica.url)
+        log.info("unloaded %s from %s (%s)", name, replica.url, reason)
         replica.listing.adapters.pop(name, None)
         replica.last_used.pop(name, None)
+        return True
+
+    async def _claim(self, replica: Replica, name: str, *, force: bool) -> bool:
+        try:
+            claim = await self.leases.begin_unload(
+                replica.url, name, force=force, claim_ms=int(self.load_timeout * 1000)
+            )
+        except REDIS_DOWN as exc:
+            log.warning("unloading %s from %s without the fleet's leases (Redis unreachable): %s", name,
+                        replica.url, exc)  # fmt: skip
+            return True
+        if not claim.claimed:
+            log.debug("not unloading %s from %s: %s", name, replica.url, claim.reason)
+        elif claim.live_leases:
+            log.warning(
+                "forced unload of %s from %s over %d live lease(s)", name, replica.url, claim.live_leases
+            )
+        return claim.claimed
+
+    async def _release_claim(self, replica: Replica, name: str, *, unloaded: bool) -> None:
+        try:
+            await self.leases.end_unload(replica.url, name, unloaded=unloaded)
+        except REDIS_DOWN as exc:
+            log.warning("could not end the unload claim on %s (it expires by itself): %s", name, exc)
 
     async def sweep(self) -> None:
-        """Unload retired versions after the drain grace, once nothing here uses them."""
+        """Unload retired versions after the drain grace, once no kvgate leases them, and at the latest
+        after ``max_drain`` (forced, counted as ``forced``)."""
         if self.snapshot.flushed:
             return  # never judge what is current from a snapshot that may be incomplete
         current = self.snapshot.current_names()
@@ -192,9 +238,11 @@ class AdapterLoader:
             for name in self._managed(replica):
                 if name in current:
                     continue
-                retired_at = self.snapshot.retired.setdefault(name, now)
-                if now - retired_at >= self.drain_grace and not replica.in_flight_by_name.get(name):
-                    await self._unload(replica, name, reason="retired")
+                drained = now - self.snapshot.retired.setdefault(name, now)
+                forced = drained >= self.max_drain
+                if drained < self.drain_grace or (replica.in_flight_by_name.get(name) and not forced):
+                    continue
+                await self._unload(replica, name, reason="forced" if forced else "retired", force=forced)
         loaded = {name for replica in self.pool.replicas for name in replica.listing.adapters}
         for name, retired_at in list(self.snapshot.retired.items()):  # forget what is gone everywhere
             if name not in loaded and now - retired_at >= self.drain_grace:

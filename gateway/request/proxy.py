@@ -10,9 +10,11 @@ metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +28,14 @@ from gateway.core.errors import (
     KvgateError,
     ModelNotFound,
     NoEligibleReplica,
+    VersionUnloading,
 )
 from gateway.core.model import Target
 from gateway.core.prefix import block_keys, prompt_text
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, cache_salt, cold_salt
 from gateway.fleet.backends import BackendDialect
+from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.request import relay
@@ -66,6 +70,7 @@ class Proxy:
         snapshot: Snapshot,
         pool: ReplicaPool,
         loader: AdapterLoader,
+        leases: Leases,
         scheduler: Scheduler,
         admin: Admin,
         dialect: BackendDialect,
@@ -78,6 +83,7 @@ class Proxy:
         self.snapshot = snapshot
         self.pool = pool
         self.loader = loader
+        self.leases = leases
         self.scheduler = scheduler
         self.admin = admin
         self.dialect = dialect
@@ -124,6 +130,11 @@ class Proxy:
             self.metrics.prefix_matched_blocks.observe(decision.matched_blocks)
             try:
                 return await self.forward(request, parsed, target, decision.replica, span, started)
+            except VersionUnloading:  # another kvgate is unloading it there: look again (load or elsewhere)
+                await self.pool.refresh(decision.replica)
+                if attempt + 1 == len(self.pool.replicas):
+                    raise
+                continue
             except BackendUnreachable:
                 decision.replica.healthy = False
                 if pin is not None or attempt + 1 == len(self.pool.replicas):
@@ -219,8 +230,7 @@ class Proxy:
         rewrite = relay.model_rewrite(name, target.logical_id) if name is not None else None
         usage = relay.Usage(self.metrics, target.logical_id, span)
         evidence = relay.evidence(target, replica.url)
-        replica.begin(name)
-        try:
+        async with self._in_use(replica, name):
             with relay.upstream_errors(replica.url):
                 async with self.pool.session.post(
                     replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
@@ -233,8 +243,19 @@ class Proxy:
             if response.status == 200:
                 self.scheduler.served(target, replica)
             return response
+
+    @contextlib.asynccontextmanager
+    async def _in_use(self, replica: Replica, name: str | None) -> AsyncIterator[None]:
+        """Count the request on the replica (and lease its version there, fleet-wide) while it runs."""
+        if name is not None and not await self.leases.acquire(replica.url, name):
+            raise VersionUnloading(f"{name} is being unloaded from {replica.url}")
+        replica.begin(name)
+        try:
+            yield
         finally:
             replica.end(name)
+            if name is not None:
+                self.leases.release(replica.url, name)
 
 
 def _describe_target(span: Span, request: web.Request, target: Target, provider: str) -> None:

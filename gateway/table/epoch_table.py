@@ -114,7 +114,7 @@ class EpochTable:
             name: redis.register_script(assemble_script(name)) for name in operation_names()
         }
 
-    async def _run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
+    async def run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         return await self.scripts[script](keys=list(keys_), args=list(args))
 
     @contextlib.contextmanager
@@ -128,7 +128,7 @@ class EpochTable:
     # --- mutations -------------------------------------------------------------------------------
 
     async def ensure_generation(self) -> str:
-        return _text(await self._run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
+        return _text(await self.run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
 
     async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
         with self._span("kvgate.publish", logical_id, digest=digest) as span:
@@ -139,7 +139,7 @@ class EpochTable:
     async def _publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
         await self.ensure_generation()
         await self.redis.sadd(keys.IDS, logical_id)
-        code, epoch = await self._run(
+        code, epoch = await self.run(
             "publish_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
             [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
@@ -156,7 +156,7 @@ class EpochTable:
             return change
 
     async def _rollback(self, logical_id: str, digest: str, base: str) -> Change:
-        code, epoch, target = await self._run(
+        code, epoch, target = await self.run(
             "rollback_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
             [logical_id, digest, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, keys.DIGEST_PREFIX_MIN],
@@ -171,7 +171,7 @@ class EpochTable:
             return change
 
     async def _bump(self, logical_id: str) -> Change:
-        code, epoch = await self._run(
+        code, epoch = await self.run(
             "bump_epoch",
             [keys.state(logical_id), keys.history(logical_id)],
             [logical_id, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
@@ -182,7 +182,7 @@ class EpochTable:
     async def record_loaded(self, replica: str, loaded: dict[str, str], ttl_ms: int) -> bool:
         await self.redis.sadd(keys.REPLICAS, replica)
         doc = json.dumps(loaded, sort_keys=True, separators=(",", ":"))
-        changed = await self._run(
+        changed = await self.run(
             "record_loaded",
             [keys.replica_loaded(replica)],
             [replica, doc, ttl_ms, keys.HINTS, keys.REPLICA_HINT_PREFIX],
@@ -192,11 +192,11 @@ class EpochTable:
     async def acquire_load_lock(
         self, logical_id: str, name: str, replica: str, token: str, ttl_ms: int
     ) -> bool:
-        got = await self._run("acquire_lock", [keys.load_lock(logical_id, name, replica)], [token, ttl_ms])
+        got = await self.run("acquire_lock", [keys.load_lock(logical_id, name, replica)], [token, ttl_ms])
         return int(got) == 1
 
     async def release_load_lock(self, logical_id: str, name: str, replica: str, token: str) -> bool:
-        released = await self._run("release_lock", [keys.load_lock(logical_id, name, replica)], [token])
+        released = await self.run("release_lock", [keys.load_lock(logical_id, name, replica)], [token])
         return int(released) == 1
 
     # --- reads -----------------------------------------------------------------------------------

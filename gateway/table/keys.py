@@ -8,7 +8,11 @@ Per logical ID, all keys share the hash tag ``{ID}`` so each Lua script touches 
     kvg:{ID}:history     list: JSON {epoch, digest, base, action, at_ms}, newest first
     kvg:{ID}:lock:NAME@REPLICA   single-flight load lock (a string owner token with a TTL)
 
-Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL).
+Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL);
+``kvg:leases:{URL}`` (hash: NAME|GATEWAY -> lease expiry ms; NAME|!unloading while an unload runs) and
+``kvg:last-use:{URL}`` (hash: NAME -> last use ms, the newest any gateway reported), in the URL's slot.
+Per gateway: ``kvg:gateway:{ID}`` (its heartbeat: JSON {pid, host, started_ms}, with a TTL), indexed in
+``kvg:gateways``.
 Indexes, each in its own slot, kept with plain SADD before the scripts that need them run:
 ``kvg:ids`` (logical IDs) and ``kvg:replicas`` (replica URLs). An indexed ID with no state is ignored.
 ``kvg:generation`` changes when Redis comes back empty. Hints go to the pub/sub channel ``kvg:hints``:
@@ -22,6 +26,7 @@ PREFIX = "kvg"
 GENERATION = f"{PREFIX}:generation"
 IDS = f"{PREFIX}:ids"
 REPLICAS = f"{PREFIX}:replicas"
+GATEWAYS = f"{PREFIX}:gateways"
 HINTS = f"{PREFIX}:hints"
 REPLICA_HINT_PREFIX = "replica:"
 HISTORY_KEPT = 100
@@ -46,3 +51,15 @@ def load_lock(logical_id: str, name: str, replica: str) -> str:
 
 def replica_loaded(replica: str) -> str:
     return f"{PREFIX}:replica:{{{replica}}}:loaded"
+
+
+def leases(replica: str) -> str:
+    return f"{PREFIX}:leases:{{{replica}}}"
+
+
+def last_use(replica: str) -> str:
+    return f"{PREFIX}:last-use:{{{replica}}}"
+
+
+def gateway(gateway_id: str) -> str:
+    return f"{PREFIX}:gateway:{{{gateway_id}}}"

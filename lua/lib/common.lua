@@ -13,7 +13,37 @@ local CODE = {
   NO_SUCH_VERSION = -2,    -- never published for this base, or no earlier version to go back to
   AMBIGUOUS_PREFIX = -3,   -- a digest prefix matches more than one version
   PREFIX_TOO_SHORT = -4,   -- a digest prefix shorter than the minimum
+  LEASED = -5,             -- a live lease holds the adapter: it may not be unloaded now
+  UNLOADING = -6,          -- the adapter is being unloaded: no new lease on it
 }
+
+-- Leases live in one hash per replica, field '<versioned name>|<gateway id>' -> expiry (ms); the field
+-- '<versioned name>|!unloading' marks an unload in progress. A versioned name never contains '|'.
+local UNLOADING_MARK = '!unloading'
+
+local function lease_field(name, owner)
+  return name .. '|' .. owner
+end
+
+-- Live leases on NAME of gateways other than OWNER (who counts its own requests itself), deleting the
+-- expired ones met on the way.
+local function live_leases(key, name, owner, now)
+  local live = 0
+  local prefix = name .. '|'
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    local field, expiry = fields[i], tonumber(fields[i + 1])
+    local other = field ~= lease_field(name, UNLOADING_MARK) and field ~= lease_field(name, owner)
+    if string.sub(field, 1, string.len(prefix)) == prefix and other then
+      if expiry > tonumber(now) then
+        live = live + 1
+      else
+        redis.call('HDEL', key, field)
+      end
+    end
+  end
+  return live
+end
 
 -- kvg:{ID}:versions is keyed by (base, digest): field '<base>|<digest>'. A digest is always 64 hex
 -- characters, so the base is everything before the last 65 characters, whatever it contains.

@@ -1,0 +1,107 @@
+"""This kvgate's leases on the adapters its requests use, shared with the fleet through Redis.
+
+Counted locally per (replica, versioned name). The first request on a pair this kvgate does not hold
+writes the lease before it goes out (``acquire``; refused while another kvgate unloads that name); the
+heartbeat, every quarter of the lease time to live, refreshes what is in use, shares each name's last use
+(the fleet's LRU order) and lets go of pairs with nothing in flight. A kvgate that dies stops refreshing,
+and its leases expire within the time to live. The loader asks ``begin_unload`` before it unloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from gateway.periodic import periodically
+from gateway.table.epoch_table import REDIS_DOWN
+from gateway.table.leases import LeaseTable, UnloadClaim
+
+log = logging.getLogger(__name__)
+Pair = tuple[str, str]  # (replica URL, versioned name)
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Leases:
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.started_ms = wall_ms()
+        self._in_flight: Counter[Pair] = Counter()
+        self._held: dict[Pair, int] = {}  # pair -> last use (wall-clock ms)
+        self._replicas: set[str] = set()  # every replica this kvgate ever leased on (to let go there)
+
+    @property
+    def gateway_id(self) -> str:
+        return self.table.gateway_id
+
+    def held(self) -> dict[Pair, int]:
+        return dict(self._held)
+
+    async def acquire(self, replica: str, name: str) -> bool:
+        """Count one request on ``name`` at ``replica``; False (nothing counted) while it is unloaded."""
+        pair = (replica, name)
+        if pair not in self._held:
+            try:
+                if not await self.table.acquire(replica, name):
+                    return False
+            except REDIS_DOWN as exc:  # serve on: the local count still protects this kvgate's requests
+                log.warning("lease on %s at %s not recorded (Redis unreachable): %s", name, replica, exc)
+            self._replicas.add(replica)
+        self._in_flight[pair] += 1
+        self._held[pair] = wall_ms()
+        return True
+
+    def release(self, replica: str, name: str) -> None:
+        pair = (replica, name)
+        self._in_flight[pair] -= 1
+        if self._in_flight[pair] <= 0:
+            del self._in_flight[pair]
+        self._held[pair] = wall_ms()
+
+    async def heartbeat(self) -> None:
+        """Alive for another time to live; refresh what is in flight, let go of the rest."""
+        since = self.table.now_ms()  # a lease acquired after this, for a new request, is not dropped
+        await self.table.heartbeat(self.started_ms)
+        used, self._held = (
+            self._held,
+            {pair: at for pair, at in self._held.items() if pair in self._in_flight},
+        )
+        for replica in sorted(self._replicas):
+            names = {name: at for (url, name), at in used.items() if url == replica}
+            keep = {name for (url, name) in self._held if url == replica}
+            await self.table.refresh(replica, names, keep, since=since)
+
+    async def run(self) -> None:
+        interval = self.table.ttl_ms / 4000
+
+        def unreachable(exc: Exception) -> None:
+            log.warning("lease heartbeat failed (leases expire after %.0f s): %s", interval * 4, exc)
+
+        await periodically(interval, self.heartbeat, survive=REDIS_DOWN, on_error=unreachable)
+
+    async def let_go(self) -> None:
+        """On shutdown: drop every lease at once instead of waiting for them to expire."""
+        self._held.clear()
+        self._in_flight.clear()
+        try:
+            for replica in sorted(self._replicas):
+                await self.table.refresh(replica, {}, set(), since=self.table.now_ms() + 1)
+        except REDIS_DOWN as exc:
+            log.warning("could not drop leases on shutdown (they expire by themselves): %s", exc)
+
+    async def begin_unload(self, replica: str, name: str, *, force: bool, claim_ms: int) -> UnloadClaim:
+        return await self.table.begin_unload(replica, name, force=force, claim_ms=claim_ms)
+
+    async def end_unload(self, replica: str, name: str, *, unloaded: bool) -> None:
+        await self.table.end_unload(replica, name, unloaded=unloaded)
+
+    async def last_use(self, replica: str) -> dict[str, float]:
+        """Name -> newest use on ``replica`` (wall-clock seconds) across the fleet, this kvgate included."""
+        shared = await self.table.shared_last_use(replica)
+        for (url, name), used in self._held.items():
+            if url == replica:
+                shared[name] = max(shared.get(name, 0), used)
+        return {name: used / 1000 for name, used in shared.items()}

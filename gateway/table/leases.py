@@ -1,0 +1,91 @@
+"""The fleet's shared view of adapter use, in Redis: gateway heartbeats, leases and the shared LRU.
+
+A lease says "a request of gateway G is (or was just) using versioned name N on replica R"; it expires
+by itself when G stops refreshing it (G died), so a dead gateway can hold nothing for longer than the
+lease time to live. An unload first claims the name (``begin_unload``: refused while a live lease holds
+it, unless forced), which also makes ``acquire_lease`` refuse the name until the unload is over: no
+request can start on a name that is being unloaded. All of one replica's lease keys share its hash tag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from gateway.table import keys
+from gateway.table.epoch_table import EpochTable, codes
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadClaim:
+    claimed: bool
+    live_leases: int  # leases that held the name (when forced, the ones overridden)
+    reason: str  # "claimed" | "leased" | "unloading"
+
+
+class LeaseTable:
+    def __init__(self, table: EpochTable, gateway_id: str, *, ttl_ms: int) -> None:
+        self.table = table
+        self.gateway_id = gateway_id
+        self.ttl_ms = ttl_ms
+
+    async def heartbeat(self, started_ms: int) -> None:
+        """This gateway is alive for another lease time to live (``kvgate status`` lists the fleet)."""
+        doc = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_ms": started_ms})
+        redis = self.table.redis
+        await redis.sadd(keys.GATEWAYS, self.gateway_id)
+        await redis.set(keys.gateway(self.gateway_id), doc, px=self.ttl_ms)
+
+    async def acquire(self, replica: str, name: str) -> bool:
+        """Lease ``name`` on ``replica``; False while it is being unloaded."""
+        code = await self.table.run(
+            "acquire_lease", [keys.leases(replica)], [name, self.gateway_id, self.table.clock(), self.ttl_ms]
+        )
+        return int(code) == codes()["CHANGED"]
+
+    async def refresh(self, replica: str, used: dict[str, int], keep: set[str], *, since: int) -> None:
+        """Share the last use of each name in ``used`` (wall-clock ms) on ``replica``, keep the leases
+        of the names in ``keep`` alive, and drop this gateway's other leases there written before
+        ``since`` (ms)."""
+        triples = [part for name, at in sorted(used.items()) for part in (name, at, int(name in keep))]
+        await self.table.run(
+            "refresh_leases",
+            [keys.leases(replica), keys.last_use(replica)],
+            [self.gateway_id, self.table.clock(), self.ttl_ms, since, len(used), *triples],
+        )
+
+    def now_ms(self) -> int:
+        return self.table.clock()
+
+    async def begin_unload(self, replica: str, name: str, *, force: bool, claim_ms: int) -> UnloadClaim:
+        code, live = await self.table.run(
+            "begin_unload",
+            [keys.leases(replica)],
+            [name, self.table.clock(), claim_ms, int(force), self.gateway_id],
+        )
+        reason = {codes()["CHANGED"]: "claimed", codes()["LEASED"]: "leased"}.get(int(code), "unloading")
+        return UnloadClaim(reason == "claimed", int(live), reason)
+
+    async def end_unload(self, replica: str, name: str, *, unloaded: bool) -> None:
+        await self.table.run(
+            "end_unload", [keys.leases(replica), keys.last_use(replica)], [name, int(unloaded)]
+        )
+
+    async def shared_last_use(self, replica: str) -> dict[str, int]:
+        """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``."""
+        raw = await self.table.redis.hgetall(keys.last_use(replica))
+        return {_text(name): int(used) for name, used in raw.items()}
+
+    async def live_gateways(self) -> list[str]:
+        ids = sorted(_text(i) for i in await self.table.redis.smembers(keys.GATEWAYS))
+        alive = [i for i in ids if await self.table.redis.exists(keys.gateway(i))]
+        gone = set(ids) - set(alive)
+        if gone:
+            await self.table.redis.srem(keys.GATEWAYS, *gone)
+        return alive
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,154 @@
+"""Fleet leases: what one kvgate's request uses, no other kvgate unloads (stub replica, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from redis.asyncio import Redis
+
+from gateway.adapters.store import AdapterStore
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.core.identity import versioned_name
+from gateway.serving import free_port, running
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
+from tests.conftest import MakeAdapter
+from tests.stub_backend import StubState, build_stub
+
+Gateway = Callable[..., AbstractAsyncContextManager[str]]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> AdapterStore:
+    return AdapterStore(tmp_path / "store")
+
+
+@pytest.fixture
+def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -> Callable[..., Any]:
+    async def do(logical_id: str, weights: bytes) -> str:
+        artifact = store.ingest(make_adapter(weights))
+        name = versioned_name(logical_id, artifact.digest)
+        await table.publish(logical_id, artifact.digest, name, str(artifact.path), "base")
+        return name
+
+    return do
+
+
+@pytest.fixture
+def gateway(redis: Redis, store: AdapterStore) -> Gateway:
+    @asynccontextmanager
+    async def start(replicas: list[str], **overrides: Any) -> AsyncIterator[str]:
+        settings = Settings(
+            replicas=replicas, store=store.root, reconcile_interval=0.1, poll_interval=0.1,
+            drain_grace=0.2, lease_ttl=1.0, **overrides,
+        )  # fmt: skip
+        async with running(build_app(settings, redis)) as url:
+            yield url
+
+    return start
+
+
+async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not within {within} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a(gateway: Gateway, publish: Any) -> None:
+    state = StubState(chunks=15, chunk_delay=0.1)
+    async with running(build_stub(state)) as stub, gateway([stub]) as url_a, gateway([stub]) as url_b:
+        v1 = await publish("tenant-42", b"v1")
+        seen_while_streaming: list[tuple[str, bool]] = []
+        async with client(url_b) as api:
+            stream = await api.completions.create(model="tenant-42", prompt="p", max_tokens=15, stream=True)
+            async for chunk in stream:
+                if len(seen_while_streaming) == 1:
+                    v2 = await publish("tenant-42", b"v2")  # A's sweeper retires v1 0.2 s later
+                seen_while_streaming.append((chunk.choices[0].text, v1 in state.adapters))
+        assert [text for text, _ in seen_while_streaming] == [f"t{i}" for i in range(15)]
+        assert all(loaded for _, loaded in seen_while_streaming), "v1 stayed loaded while B streamed on it"
+        async with client(url_a) as api:
+            await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+        await until(lambda: v1 not in state.adapters, "v1 unloaded once B's lease was let go")
+    assert v2 in state.adapters
+
+
+async def test_an_eviction_skips_an_adapter_another_kvgate_is_using(gateway: Gateway, publish: Any) -> None:
+    state = StubState(chunks=10, chunk_delay=0.1)
+    a, b = await publish("tenant-a", b"a"), await publish("tenant-b", b"b")
+    async with (
+        running(build_stub(state)) as stub,
+        gateway([stub], max_adapters_per_replica=1) as url_a,
+        gateway([stub], max_adapters_per_replica=1) as url_b,
+        client(url_a) as api_a,
+        client(url_b) as api_b,
+    ):
+        stream = await api_b.completions.create(model="tenant-a", prompt="p", max_tokens=10, stream=True)
+        texts = [(await anext(aiter(stream))).choices[0].text]
+        await api_a.completions.create(model="tenant-b", prompt="p", max_tokens=1)  # a full budget
+        assert {a, b} <= set(state.adapters), "A loaded b over budget rather than evict B's adapter"
+        texts += [chunk.choices[0].text async for chunk in stream]
+    assert texts == [f"t{i}" for i in range(10)], "B's stream ran to its end"
+
+
+async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
+    gateway: Gateway, publish: Any, redis_server: EmbeddedRedis, store: AdapterStore
+) -> None:
+    state = StubState(chunks=400, chunk_delay=0.05)
+    v1 = await publish("tenant-42", b"v1")
+    async with running(build_stub(state)) as stub, gateway([stub]) as url_a:
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub, "--port", str(port),
+                   "--redis-url", redis_server.url, "--store", str(store.root), "--lease-ttl", "1",
+                   "--poll-interval", "0.1", "--drain-grace", "0.2"]  # fmt: skip
+        b = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            url_b = f"http://127.0.0.1:{port}"
+            await _until_healthy(url_b)
+            async with client(url_b) as api:
+                stream = await api.completions.create(
+                    model="tenant-42", prompt="p", max_tokens=1, stream=True
+                )
+                await anext(aiter(stream))  # B streams on v1
+                await publish("tenant-42", b"v2")
+                async with client(url_a) as api_a:  # A now serves v2 (and its sweeper looks at v1)
+                    await api_a.completions.create(model="tenant-42", prompt="p", max_tokens=1)
+                for _ in range(10):
+                    await anext(aiter(stream))
+                assert v1 in state.adapters, "B's lease holds v1 while B lives"
+                b.send_signal(signal.SIGKILL)
+                await b.wait()
+                await until(lambda: v1 not in state.adapters, "v1 unloaded once B's lease expired")
+        finally:
+            if b.returncode is None:
+                b.kill()
+                await b.wait()
+
+
+async def _until_healthy(url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):
+            try:
+                async with http.get(f"{url}/healthz") as health:
+                    if health.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    pytest.fail(f"{url} never became healthy")
