@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +27,7 @@ from gateway.fleet.backends import dialect_for
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
+from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
 from gateway.periodic import periodically
 from gateway.proof.canary import Canary
@@ -50,6 +52,7 @@ TRACER = web.AppKey("tracer", Tracer)
 PURGER = web.AppKey("purger", PurgeAll)
 ADMIN = web.AppKey("admin", Admin)
 LEASES = web.AppKey("leases", Leases)
+QUARANTINE = web.AppKey("quarantine", Quarantine)
 ACTIVITY = web.AppKey("activity", dict[str, float])
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -156,7 +159,11 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         with_root = settings.base_model_root is not None
         app[POOL] = ReplicaPool(settings.replicas, dialect, session, base_with_root=with_root)
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
-        app[LEASES] = Leases(LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)))
+        app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
+        app[LEASES] = Leases(
+            LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
+            report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()]},
+        )
         app[LOADER] = AdapterLoader(
             app[POOL],
             app[TABLE],
@@ -168,12 +175,15 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             load_timeout=settings.load_timeout,
             lock_ttl=settings.lock_ttl,
             leases=app[LEASES],
+            quarantine=app[QUARANTINE],
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
         scheduler = Scheduler(settings.prefix_index_entries, budget=settings.max_adapters_per_replica)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
-        app[ADMIN] = Admin(token, app[SNAPSHOT], app[POOL], scheduler.index)
+        app[ADMIN] = Admin(
+            token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE]
+        )
         options = ProxyOptions(
             base_model=settings.base_model,
             base_identity=settings.base_identity,

@@ -46,6 +46,7 @@ from gateway.proof.audit import (
 from gateway.proof.audit import to_json as audit_json
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable, assemble_script, operation_names
+from gateway.table.leases import live_gateways
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.tracing import tracer_from, tracer_provider_from_env
 
@@ -178,6 +179,7 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
     async with open_table(settings, tracing) as table:
         view = await table.read_all()
         loaded = await table.read_loaded()
+        gateways = await live_gateways(table)
     rows: list[dict[str, Any]] = []
     for state in view.states.values():
         replicas = sorted(url for url, names in loaded.items() if names.get(state.name) == state.path)
@@ -185,13 +187,21 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
                      "epoch": state.epoch, "base": state.base, "path": state.path,
                      "loaded_on": replicas})  # fmt: skip
     if args.json:
-        print(json.dumps({"generation": view.generation, "logical_ids": rows}, indent=2))
+        print(
+            json.dumps({"generation": view.generation, "logical_ids": rows, "gateways": gateways}, indent=2)
+        )
         return
     print(f"generation {view.generation}")
     print(f"{'LOGICAL ID':<20} {'EPOCH':>5}  {'DIGEST':<18} LOADED ON")
     for row in rows:
         loaded_on = ", ".join(row["loaded_on"]) or "-"
         print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<18} {loaded_on}")
+    print(f"\n{len(gateways)} kvgate(s) alive")
+    for gateway_id, doc in gateways.items():
+        print(f"  {gateway_id} on {doc.get('host')} (pid {doc.get('pid')})")
+        for finding in doc.get("quarantined", []):
+            print(f"    QUARANTINED {finding['name']} on {finding['replica']}: {finding['reason']} "
+                  f"(root {finding['root']})")  # fmt: skip
 
 
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

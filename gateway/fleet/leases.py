@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN
@@ -26,8 +28,10 @@ def wall_ms() -> int:
 
 
 class Leases:
-    def __init__(self, table: LeaseTable) -> None:
+    def __init__(self, table: LeaseTable, report: Callable[[], dict[str, Any]] = dict) -> None:
         self.table = table
+        self.report = report
+        """What the heartbeat tells the fleet besides being alive (e.g. this kvgate's quarantines)."""
         self.started_ms = wall_ms()
         self._in_flight: Counter[Pair] = Counter()
         self._held: dict[Pair, int] = {}  # pair -> last use (wall-clock ms)
@@ -64,7 +68,7 @@ class Leases:
     async def heartbeat(self) -> None:
         """Alive for another time to live; refresh what is in flight, let go of the rest."""
         since = self.table.now_ms()  # a lease acquired after this, for a new request, is not dropped
-        await self.table.heartbeat(self.started_ms)
+        await self.table.heartbeat(self.started_ms, self.report())
         used, self._held = (
             self._held,
             {pair: at for pair, at in self._held.items() if pair in self._in_flight},

@@ -24,6 +24,7 @@ from gateway.core.model import VersionState
 from gateway.core.scheduler import evictions
 from gateway.fleet.backends import LoadFailed
 from gateway.fleet.leases import Leases
+from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
@@ -48,11 +49,13 @@ class AdapterLoader:
         load_timeout: float,
         lock_ttl: float,
         leases: Leases,
+        quarantine: Quarantine,
         metrics: Metrics,
         tracer: Tracer,
     ) -> None:
         self.pool = pool
         self.leases = leases
+        self.quarantine = quarantine
         self.max_drain = max_drain
         self.table = table
         self.snapshot = snapshot
@@ -202,6 +205,7 @@ class AdapterLoader:
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
         replica.listing.adapters.pop(name, None)
         replica.last_used.pop(name, None)
+        self.quarantine.clear(replica, name)
         return True
 
     async def _claim(self, replica: Replica, name: str, *, force: bool) -> bool:
@@ -228,10 +232,12 @@ class AdapterLoader:
             log.warning("could not end the unload claim on %s (it expires by itself): %s", name, exc)
 
     async def sweep(self) -> None:
-        """Unload retired versions after the drain grace, once no kvgate leases them, and at the latest
-        after ``max_drain`` (forced, counted as ``forced``)."""
+        """Quarantine what replicas list against the table and repair it; unload retired versions after
+        the drain grace, once no kvgate leases them, and at the latest after ``max_drain`` (forced,
+        counted as ``forced``)."""
         if self.snapshot.flushed:
             return  # never judge what is current from a snapshot that may be incomplete
+        await self._repair()
         current = self.snapshot.current_names()
         now = time.monotonic()
         for replica in self.pool.healthy():
@@ -247,6 +253,13 @@ class AdapterLoader:
         for name, retired_at in list(self.snapshot.retired.items()):  # forget what is gone everywhere
             if name not in loaded and now - retired_at >= self.drain_grace:
                 del self.snapshot.retired[name]
+
+    async def _repair(self) -> None:
+        self.quarantine.inspect_all({state.logical_id for state in self.snapshot}, self.store_prefix)
+        for finding in self.quarantine.findings():
+            replica = self.pool.get(finding.replica)
+            if finding.repairable and replica is not None and replica.healthy:
+                await self._unload(replica, finding.name, reason="repair")
 
     async def sweep_forever(self, interval: float) -> None:
         await periodically(interval, self.sweep)

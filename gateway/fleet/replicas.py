@@ -33,6 +33,8 @@ class Replica:
         self.in_flight = 0
         self.in_flight_by_name: Counter[str] = Counter()
         self.last_used: dict[str, float] = {}
+        self.quarantined: dict[str, str] = {}
+        """Versioned name -> why it is quarantined here (written by ``fleet.quarantine`` only)."""
 
     @property
     def base(self) -> str | None:
@@ -46,8 +48,9 @@ class Replica:
         return len(self.listing.adapters)
 
     def serves(self, name: str, root: str) -> bool:
-        """Eligible for a version only when it lists the versioned name with the content-addressed root."""
-        return self.listing.adapters.get(name) == root
+        """Eligible for a version only when it lists the versioned name with the content-addressed root,
+        and that name is not quarantined here."""
+        return self.listing.adapters.get(name) == root and name not in self.quarantined
 
     def begin(self, name: str | None) -> None:
         self.in_flight += 1
@@ -80,6 +83,9 @@ class ReplicaPool:
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root
+
+    def get(self, url: str) -> Replica | None:
+        return next((replica for replica in self.replicas if replica.url == url), None)
 
     def healthy(self) -> list[Replica]:
         return [replica for replica in self.replicas if replica.healthy]

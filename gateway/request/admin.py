@@ -4,13 +4,15 @@ views (``/kvgate/status``, ``/v1/models``). Off without a configured admin token
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
 from gateway.core.errors import BadRequest, Unauthorized
 from gateway.core.prefix import PrefixIndex
 from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER
+from gateway.fleet.leases import Leases
+from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.table.snapshot import Snapshot
 
@@ -25,11 +27,22 @@ NO_OPTIONS = AdminOptions(None, False)
 
 
 class Admin:
-    def __init__(self, token: str | None, snapshot: Snapshot, pool: ReplicaPool, index: PrefixIndex) -> None:
+    def __init__(
+        self,
+        token: str | None,
+        snapshot: Snapshot,
+        pool: ReplicaPool,
+        index: PrefixIndex,
+        *,
+        leases: Leases,
+        quarantine: Quarantine,
+    ) -> None:
         self.token = token
         self.snapshot = snapshot
         self.pool = pool
         self.index = index
+        self.leases = leases
+        self.quarantine = quarantine
 
     def check(self, request: web.Request) -> None:
         """A constant-time token check; always refused when kvgate has no admin token."""
@@ -73,6 +86,9 @@ class Admin:
             "versions": versions,
             "replicas": replicas,
             "prefix_index_entries": len(self.index),
+            "gateway_id": self.leases.gateway_id,
+            "leases": [{"replica": url, "name": name} for url, name in sorted(self.leases.held())],
+            "quarantined": [asdict(finding) for finding in self.quarantine.findings()],
         }
         return web.json_response(doc)
 

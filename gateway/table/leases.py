@@ -13,6 +13,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable, codes
@@ -31,9 +32,12 @@ class LeaseTable:
         self.gateway_id = gateway_id
         self.ttl_ms = ttl_ms
 
-    async def heartbeat(self, started_ms: int) -> None:
-        """This gateway is alive for another lease time to live (``kvgate status`` lists the fleet)."""
-        doc = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_ms": started_ms})
+    async def heartbeat(self, started_ms: int, report: dict[str, Any]) -> None:
+        """This gateway is alive for another lease time to live, with what it reports (``kvgate status``
+        lists the fleet: each gateway's host, pid and report)."""
+        doc = json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "started_ms": started_ms, **report}
+        )
         redis = self.table.redis
         await redis.sadd(keys.GATEWAYS, self.gateway_id)
         await redis.set(keys.gateway(self.gateway_id), doc, px=self.ttl_ms)
@@ -78,13 +82,19 @@ class LeaseTable:
         raw = await self.table.redis.hgetall(keys.last_use(replica))
         return {_text(name): int(used) for name, used in raw.items()}
 
-    async def live_gateways(self) -> list[str]:
-        ids = sorted(_text(i) for i in await self.table.redis.smembers(keys.GATEWAYS))
-        alive = [i for i in ids if await self.table.redis.exists(keys.gateway(i))]
-        gone = set(ids) - set(alive)
-        if gone:
-            await self.table.redis.srem(keys.GATEWAYS, *gone)
-        return alive
+
+async def live_gateways(table: EpochTable) -> dict[str, dict[str, Any]]:
+    """Gateway id -> its last heartbeat's document, for every gateway whose heartbeat has not expired."""
+    ids = sorted(_text(i) for i in await table.redis.smembers(keys.GATEWAYS))
+    alive = {}
+    for gateway_id in ids:
+        doc = await table.redis.get(keys.gateway(gateway_id))
+        if doc is not None:
+            alive[gateway_id] = json.loads(doc)
+    gone = set(ids) - set(alive)
+    if gone:
+        await table.redis.srem(keys.GATEWAYS, *gone)
+    return alive
 
 
 def _text(value: bytes | str) -> str:

@@ -51,6 +51,16 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.quarantines = Counter(
+            "kvgate_quarantines", "Adapters quarantined on a replica (its listing or the canary disagreed)",
+            ["replica", "reason"], registry=r,
+        )  # fmt: skip
+        self.quarantined = Gauge(
+            "kvgate_quarantined_adapters",
+            "Adapters quarantined right now, per replica",
+            ["replica"],
+            registry=r,
+        )
         self.purges = Counter(
             "kvgate_prefix_purges", "purge-all prefix cache resets", ["replica", "outcome"], registry=r
         )
