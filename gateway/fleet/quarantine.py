@@ -75,7 +75,7 @@ class Quarantine:
             return
         root = root or replica.listing.adapters.get(name, "")
         self._findings[key] = Finding(replica.url, name, reason, root, time.time())
-        replica.quarantined[name] = reason
+        replica.quarantined[name] = root
         self.metrics.quarantines.labels(replica.url, reason).inc()
         self._gauge(replica)
         log.error("quarantined %s on %s: %s (root %r)", name, replica.url, reason, root)

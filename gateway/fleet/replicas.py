@@ -34,7 +34,7 @@ class Replica:
         self.in_flight_by_name: Counter[str] = Counter()
         self.last_used: dict[str, float] = {}
         self.quarantined: dict[str, str] = {}
-        """Versioned name -> why it is quarantined here (written by ``fleet.quarantine`` only)."""
+        """Versioned name -> the root it is quarantined for here (written by ``fleet.quarantine`` only)."""
 
     @property
     def base(self) -> str | None:
@@ -49,8 +49,8 @@ class Replica:
 
     def serves(self, name: str, root: str) -> bool:
         """Eligible for a version only when it lists the versioned name with the content-addressed root,
-        and that name is not quarantined here."""
-        return self.listing.adapters.get(name) == root and name not in self.quarantined
+        and that name is not quarantined here from that root."""
+        return self.listing.adapters.get(name) == root and self.quarantined.get(name) != root
 
     def begin(self, name: str | None) -> None:
         self.in_flight += 1
