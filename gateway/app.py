@@ -6,8 +6,6 @@ replica poller (first poll before serving) → drain/unload sweeper. Stopped in 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -24,6 +22,7 @@ from gateway.fleet.backends import dialect_for
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
+from gateway.periodic import background as _background
 from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import Admin, list_models
@@ -221,21 +220,3 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS])
     async with _background(periodically(interval, canary.run_round)):
         yield
-
-
-@contextlib.asynccontextmanager
-async def _background(work: Awaitable[None]) -> AsyncIterator[None]:
-    """Run ``work`` beside the app; a failure is logged at once (never silent), a stop cancels it."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_log_failure)
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task failed and stopped: %r", task.exception(), exc_info=task.exception())

@@ -23,14 +23,16 @@ import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
-from gateway.core.errors import BadRequest, KvgateError
-from gateway.core.identity import check_logical_id, scan_adapter, versioned_name
+from gateway.core.errors import BadRequest, KvgateError, TableUnavailable
+from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
+from gateway.periodic import background
 from gateway.proof.audit import (
     AuditTarget,
     DirectTarget,
@@ -116,15 +118,32 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def open_table(settings: Settings, tracing: TracerProvider | None) -> AsyncIterator[EpochTable]:
-    """The configured Redis, or the embedded one under ``--data-dir`` (adopted if already running)."""
-    with contextlib.ExitStack() as stack:
+async def open_table(
+    settings: Settings, tracing: TracerProvider | None, *, own: bool = False
+) -> AsyncIterator[EpochTable]:
+    """The configured Redis, or the embedded one under ``--data-dir``: with ``own`` (serve) this process
+    owns it and restarts it if it dies; otherwise the running one is used (or, when nobody owns the
+    directory, one is started for this command). A Redis that fails is ``TableUnavailable``: one line."""
+    async with contextlib.AsyncExitStack() as stack:
         url = settings.redis_url
         if url is None:
-            url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
-        redis = Redis.from_url(url, health_check_interval=10)
+            server = EmbeddedRedis(settings.data_dir, answer_timeout=settings.redis_timeout)
+            if own:
+                stack.enter_context(server)
+                await stack.enter_async_context(background(server.supervise()))
+            else:
+                stack.enter_context(server.using())
+            url = server.url
+        redis = Redis.from_url(
+            url,
+            health_check_interval=10,
+            socket_timeout=settings.redis_timeout,
+            socket_connect_timeout=settings.redis_timeout,
+        )
         try:
             yield EpochTable(redis, tracer=tracer_from(tracing))
+        except RedisError as exc:
+            raise TableUnavailable(f"the epoch table's Redis failed: {exc}") from exc
         finally:
             await redis.aclose()
 
@@ -135,10 +154,11 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
 
 async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
-    scan_adapter(args.adapter_dir)
+    store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
+    manifest = store.scan(args.adapter_dir)
     async with open_table(settings, tracing) as table:
         done = await publish_adapter(
-            table, AdapterStore(settings.store), args.logical_id, args.adapter_dir, settings.base_identity
+            table, store, args.logical_id, args.adapter_dir, settings.base_identity, manifest=manifest
         )
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
@@ -196,7 +216,7 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
-    async with open_table(settings, tracing) as table:
+    async with open_table(settings, tracing, own=True) as table:
         app = build_app(settings, table.redis, tracer_provider=tracing)
         async with running(app, settings.host, settings.port) as url:
             logging.getLogger("gateway").info("kvgate listening on %s", url)
@@ -261,8 +281,9 @@ def _audit_plan(
 
     async def publish(http: aiohttp.ClientSession) -> str | None:
         async with open_table(settings, tracing) as table:
+            store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
             done = await publish_adapter(
-                table, AdapterStore(settings.store), target.logical_id, args.publish, settings.base_identity
+                table, store, target.logical_id, args.publish, settings.base_identity
             )
         await target.until_serving(http, done.digest, within=settings.reconcile_interval * 10 + 5)
         return done.digest

@@ -13,6 +13,8 @@
     │   ├── BackendTimeout           504 upstream_timeout
     │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
+    ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
+    │                                                            embedded one is owned by another kvgate)
     ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
     └── ReplicaStartError            500 internal_error         (a vLLM replica kvgate starts did not come up)
 
@@ -107,6 +109,14 @@ class LoadFailed(UpstreamError):
 
 
 class NoEligibleReplica(KvgateError):
+    status = 503
+    type = "service_unavailable"
+
+
+class TableUnavailable(KvgateError):
+    """The epoch table cannot be used: its Redis failed or does not answer in time, or the embedded
+    Redis of this data directory belongs to another kvgate."""
+
     status = 503
     type = "service_unavailable"
 

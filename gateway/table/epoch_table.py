@@ -205,6 +205,10 @@ class EpochTable:
         raw: dict[bytes, bytes] = await self.redis.hgetall(keys.state(logical_id))  # type: ignore[assignment]
         return _parse_state(logical_id, raw)
 
+    async def has_version(self, logical_id: str, base: str, digest: str) -> bool:
+        """Whether DIGEST was ever published for BASE under LOGICAL_ID."""
+        return bool(await self.redis.hexists(keys.versions(logical_id), keys.version_field(base, digest)))
+
     async def read_all(self) -> TableView:
         generation = await self.ensure_generation()
         ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))

@@ -36,6 +36,11 @@ def versions(logical_id: str) -> str:
     return f"{PREFIX}:{{{logical_id}}}:versions"
 
 
+def version_field(base: str, digest: str) -> str:
+    """The field of one version in ``kvg:{ID}:versions`` (lua/lib/common.lua's ``version_field``)."""
+    return f"{base}|{digest}"
+
+
 def history(logical_id: str) -> str:
     return f"{PREFIX}:{{{logical_id}}}:history"
 
