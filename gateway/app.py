@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
+from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
 from gateway.core.errors import BodyTooLarge, KvgateError
 from gateway.core.scheduler import Scheduler
@@ -28,6 +29,7 @@ from gateway.proof.canary import Canary
 from gateway.request.admin import Admin, list_models
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.table.epoch_table import EpochTable
+from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
@@ -45,6 +47,7 @@ TRACER = web.AppKey("tracer", Tracer)
 PURGER = web.AppKey("purger", PurgeAll)
 ADMIN = web.AppKey("admin", Admin)
 ACTIVITY = web.AppKey("activity", dict[str, float])
+RESEEDER = web.AppKey("reseeder", Reseeder)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -95,6 +98,7 @@ def build_app(
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
+    app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
@@ -123,6 +127,7 @@ def build_app(
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
+            "table": {"generation": snapshot.generation, **request.app[RESEEDER].health()},
         }
         return web.json_response(body, status=200 if pool.healthy() else 503)
 
@@ -185,7 +190,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
-    sync = SnapshotSync(app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval)
+    sync = SnapshotSync(
+        app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval, reseeder=app[RESEEDER]
+    )
     await sync.reconcile()
     async with _background(sync.run()):
         yield
