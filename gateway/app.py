@@ -7,8 +7,6 @@ replica poller (first poll before serving) → lease heartbeat → drain/unload 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
+from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
 from gateway.core.errors import BodyTooLarge, KvgateError
 from gateway.core.scheduler import Scheduler
@@ -29,12 +28,14 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.periodic import background as _background
 from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import Admin, list_models
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
+from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
@@ -54,6 +55,7 @@ ADMIN = web.AppKey("admin", Admin)
 LEASES = web.AppKey("leases", Leases)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 ACTIVITY = web.AppKey("activity", dict[str, float])
+RESEEDER = web.AppKey("reseeder", Reseeder)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -104,6 +106,7 @@ def build_app(
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
+    app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
@@ -133,6 +136,7 @@ def build_app(
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
+            "table": {"generation": snapshot.generation, **request.app[RESEEDER].health()},
         }
         return web.json_response(body, status=200 if pool.healthy() else 503)
 
@@ -207,7 +211,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
-    sync = SnapshotSync(app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval)
+    sync = SnapshotSync(
+        app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval, reseeder=app[RESEEDER]
+    )
     await sync.reconcile()
     async with _background(sync.run()):
         yield
@@ -249,21 +255,3 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS])
     async with _background(periodically(interval, canary.run_round)):
         yield
-
-
-@contextlib.asynccontextmanager
-async def _background(work: Awaitable[None]) -> AsyncIterator[None]:
-    """Run ``work`` beside the app; a failure is logged at once (never silent), a stop cancels it."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_log_failure)
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task failed and stopped: %r", task.exception(), exc_info=task.exception())

@@ -1,4 +1,4 @@
-"""``kvgate``: serve, publish, rollback, bump, status, demo.
+"""``kvgate``: serve, publish, rollback, bump, status, audit (``cli_audit.py``), demo, script.
 
 Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
@@ -8,47 +8,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
-from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
+from gateway.cli_audit import cmd_audit
 from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
 from gateway.core.errors import BadRequest, KvgateError
-from gateway.core.identity import check_logical_id, scan_adapter, versioned_name
+from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
-from gateway.proof.audit import (
-    CANNOT_AUDIT,
-    AuditTarget,
-    DirectTarget,
-    GatewayTarget,
-    Verdict,
-    audit_before_after,
-    audit_round,
-    faulty,
-    render,
-    run_shell,
-)
-from gateway.proof.audit import to_json as audit_json
+from gateway.open_table import open_table
 from gateway.serving import running
-from gateway.table.epoch_table import EpochTable, assemble_script, operation_names
+from gateway.table.epoch_table import assemble_script, operation_names
 from gateway.table.leases import live_gateways
-from gateway.table.redis_server import EmbeddedRedis
-from gateway.telemetry.tracing import tracer_from, tracer_provider_from_env
+from gateway.telemetry.tracing import tracer_provider_from_env
 
 
 def _common(parser: argparse.ArgumentParser, command: str) -> None:
@@ -117,30 +102,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise BadRequest(describe_invalid(exc)) from exc
 
 
-@contextlib.asynccontextmanager
-async def open_table(settings: Settings, tracing: TracerProvider | None) -> AsyncIterator[EpochTable]:
-    """The configured Redis, or the embedded one under ``--data-dir`` (adopted if already running)."""
-    with contextlib.ExitStack() as stack:
-        url = settings.redis_url
-        if url is None:
-            url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
-        redis = Redis.from_url(url, health_check_interval=10)
-        try:
-            yield EpochTable(redis, tracer=tracer_from(tracing))
-        finally:
-            await redis.aclose()
-
-
 def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
     print(json.dumps(doc, indent=2) if args.json else line)
 
 
 async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
-    scan_adapter(args.adapter_dir)
+    store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
+    manifest = store.scan(args.adapter_dir)
     async with open_table(settings, tracing) as table:
         done = await publish_adapter(
-            table, AdapterStore(settings.store), args.logical_id, args.adapter_dir, settings.base_identity
+            table, store, args.logical_id, args.adapter_dir, settings.base_identity, manifest=manifest
         )
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
@@ -207,7 +179,7 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
-    async with open_table(settings, tracing) as table:
+    async with open_table(settings, tracing, own=True) as table:
         app = build_app(settings, table.redis, tracer_provider=tracing)
         async with running(app, settings.host, settings.port) as url:
             logging.getLogger("gateway").info("kvgate listening on %s", url)
@@ -216,73 +188,6 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-
-
-async def cmd_audit(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> int:
-    """Exit 0 when every verdict is coherent, 3 when the audit found a fault, 4 when it could not audit
-    (the server's context cannot hold a probe over two KV blocks)."""
-    target, update = _audit_plan(args, settings, tracing)
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
-    )
-    rounds: dict[str, list[Verdict]] = {}
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        with tracer_from(tracing).start_as_current_span("kvgate.audit") as span:
-            if args.before_after:
-                before, after = await audit_before_after(http, target, lambda: update(http), colds=args.colds)
-                rounds = {"before": before, "after": after}
-            else:
-                verdicts = await audit_round(
-                    http, target, colds=args.colds, expected_digest=args.expect_digest
-                )
-                rounds = {"audit": verdicts}
-            span.set_attribute("kvgate.audit.verdicts", [v.verdict for vs in rounds.values() for v in vs])
-    if args.json:
-        print(audit_json(rounds))
-    else:
-        print("\n\n".join(render(name, verdicts) for name, verdicts in rounds.items()))
-    if any(faulty(verdicts) for verdicts in rounds.values()):
-        return 3
-    every = [v.verdict for verdicts in rounds.values() for v in verdicts]
-    return 4 if CANNOT_AUDIT in every else 0
-
-
-UpdateStep = Callable[[aiohttp.ClientSession], Awaitable[str | None]]
-
-
-def _audit_plan(
-    args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None
-) -> tuple[AuditTarget, UpdateStep]:
-    """Which deployment to audit, and what ``--before-after`` runs between the two rounds."""
-    if args.direct:
-        if not args.model or args.logical_id or args.gateway:
-            raise BadRequest("--direct needs --model NAME and no logical ID or --gateway")
-        if args.before_after and not args.reload_cmd:
-            raise BadRequest("--before-after with --direct needs --reload-cmd")
-
-        async def reload(http: aiohttp.ClientSession) -> str | None:
-            await run_shell(args.reload_cmd)
-            return str(args.expect_digest) if args.expect_digest else None
-
-        return DirectTarget(tuple(url.rstrip("/") for url in args.direct), args.model), reload
-    token = settings.admin_token.get_secret_value() if settings.admin_token else None
-    if not (args.logical_id and args.gateway and token):
-        raise BadRequest(
-            "audit a logical ID with --gateway URL and an admin token, or a raw server with --direct"
-        )
-    if args.before_after and not args.publish:
-        raise BadRequest("--before-after through kvgate needs --publish ADAPTER_DIR")
-    target = GatewayTarget(args.gateway.rstrip("/"), check_logical_id(args.logical_id), token)
-
-    async def publish(http: aiohttp.ClientSession) -> str | None:
-        async with open_table(settings, tracing) as table:
-            done = await publish_adapter(
-                table, AdapterStore(settings.store), target.logical_id, args.publish, settings.base_identity
-            )
-        await target.until_serving(http, done.digest, within=settings.reconcile_interval * 10 + 5)
-        return done.digest
-
-    return target, publish
 
 
 async def cmd_demo(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

@@ -29,6 +29,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.adapters.store import DEFAULT_MAX_BYTES
 from gateway.core.identity import base_identity
 
 
@@ -49,6 +50,8 @@ class Settings(BaseSettings):
     """Holds the embedded Redis (its data and socket)."""
     redis_url: str | None = None
     """Use this Redis instead of the embedded one."""
+    redis_timeout: float = Field(5.0, gt=0)
+    """Seconds Redis may take to answer (a stalled one is then an error, never replaced by a second one)."""
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
     """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
@@ -87,6 +90,8 @@ class Settings(BaseSettings):
     """Prefix block keys remembered (LRU) for routing warm requests to the replica that holds them."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
+    max_adapter_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
+    """Largest adapter ``kvgate publish`` stores (the sum of its file sizes); a larger one is refused."""
     admin_token: SecretStr | None = None
     """Admin token (header ``x-kvgate-admin-token``): pinning, cold namespaces, status. Prefer the env var."""
 
@@ -160,10 +165,15 @@ END = "<!-- settings-table:end -->"
 COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo")
 
 # Where the table and the store are, and which base and backend they belong to: every command reads them.
-_EVERY_COMMAND = frozenset({"store", "data_dir", "redis_url", "base_model", "base_model_root", "backend"})
+_EVERY_COMMAND = frozenset(
+    {"store", "data_dir", "redis_url", "redis_timeout", "base_model", "base_model_root", "backend"}
+)
 _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
-    "audit": frozenset({"connect_timeout", "read_timeout", "reconcile_interval", "admin_token"}),
+    "audit": frozenset(
+        {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"}
+    ),
+    "publish": frozenset({"max_adapter_bytes"}),
 }
 _FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
 _METAVARS = {"replicas": "URL"}

@@ -1,9 +1,13 @@
-"""Background loops that survive their expected errors but never a cancellation."""
+"""Background loops that survive their expected errors but never a cancellation, and the task running one."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+log = logging.getLogger(__name__)
 
 
 async def periodically(
@@ -33,3 +37,21 @@ def raise_if_cancelling(cause: BaseException | None = None) -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError from cause
+
+
+@contextlib.asynccontextmanager
+async def background(work: Awaitable[None]) -> AsyncIterator[None]:
+    """Run ``work`` beside the block; a failure is logged at once (never silent); the end cancels it."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_log_failure)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed and stopped: %r", task.exception(), exc_info=task.exception())

@@ -180,3 +180,32 @@ def test_audit_of_an_unreachable_server_fails_with_one_line(tmp_path: Path) -> N
     assert done.returncode == 1
     assert "kvgate audit:" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_publish_with_redis_unreachable_fails_with_one_line_and_stores_nothing(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    data = tmp_path / "kvgate"
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    done = kvgate("publish", "tenant-42", str(make_adapter(b"v1")), "--redis-url", unreachable, data_dir=data)
+    assert done.returncode == 1
+    assert done.stderr.startswith("kvgate publish: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (data / "store").exists(), "Redis is checked before the store is written"
+
+
+def test_publish_over_max_adapter_bytes_exits_2_and_writes_nothing(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    data = tmp_path / "kvgate"
+    source = make_adapter(b"")
+    with open(source / "adapter_model.safetensors", "r+b") as weights:
+        weights.truncate(64 << 20)  # sparse: 64 MiB long, no data
+    command = [sys.executable, "-m", "gateway.cli", "publish", "tenant-42", str(source),
+               "--data-dir", str(data), "--store", str(data / "store")]  # fmt: skip
+    env = {**os.environ, "KVGATE_MAX_ADAPTER_BYTES": str(1 << 20)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 2, done.stdout
+    assert "max_adapter_bytes" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not data.exists(), "neither the store nor the embedded Redis was touched"

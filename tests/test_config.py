@@ -82,6 +82,8 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "lock_ttl": ("45", 45.0),
     "prefix_index_entries": ("10", 10),
     "canary_interval": ("7", 7.0),
+    "redis_timeout": ("2.5", 2.5),
+    "max_adapter_bytes": ("4096", 4096),
     "admin_token": ("s3cret", "s3cret"),
 }
 

@@ -1,7 +1,11 @@
 """Publishing a version: validate and store the bytes, then point the logical ID at them.
 
-The store write comes first and is atomic and content-addressed; the epoch table write is one Lua
-script. A failure between the two leaves an unreferenced store directory and no visible version.
+Redis must answer (and take a write) before the store is touched, so an unreachable table stores
+nothing. The store write is atomic and content-addressed; the epoch table write is one Lua script. If
+that script fails, the directory this publish created is removed again, unless the table may hold the
+version after all (the answer was lost, or Redis cannot say): an unreferenced directory may be left
+behind, never a referenced one removed (short of a concurrent publish of the very same bytes under
+another logical ID in that instant, which it cannot see).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.adapters.store import AdapterStore
-from gateway.core.identity import check_logical_id, versioned_name
+from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
 
@@ -25,10 +29,32 @@ class Published:
 
 
 async def publish_adapter(
-    table: EpochTable, store: AdapterStore, logical_id: str, adapter_dir: Path, base: str
+    table: EpochTable,
+    store: AdapterStore,
+    logical_id: str,
+    adapter_dir: Path,
+    base: str,
+    *,
+    manifest: list[ManifestEntry] | None = None,
 ) -> Published:
+    """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already."""
     check_logical_id(logical_id)
-    artifact = store.ingest(adapter_dir)
+    if manifest is None:
+        manifest = store.scan(adapter_dir)
+    await table.ensure_generation()  # Redis answers and takes writes: checked before the store is written
+    artifact = store.ingest(adapter_dir, manifest)
     name = versioned_name(logical_id, artifact.digest)
-    change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base)
+    try:
+        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base)
+    except Exception:
+        if artifact.created and not await _may_be_recorded(table, logical_id, base, artifact.digest):
+            store.remove(artifact)
+        raise
     return Published(logical_id, artifact.digest, name, artifact.path, change)
+
+
+async def _may_be_recorded(table: EpochTable, logical_id: str, base: str, digest: str) -> bool:
+    try:
+        return await table.has_version(logical_id, base, digest)
+    except Exception:  # Redis cannot say: keep the bytes, the table may point at them
+        return True

@@ -14,6 +14,8 @@
     │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
     │   └── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
+    ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
+    │                                                            embedded one is owned by another kvgate)
     ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
     └── ReplicaStartError            500 internal_error         (a vLLM replica kvgate starts did not come up)
 
@@ -114,6 +116,14 @@ class NoEligibleReplica(KvgateError):
 
 class VersionUnloading(NoEligibleReplica):
     """A kvgate is unloading the version from the chosen replica: no request may start on it there."""
+
+
+class TableUnavailable(KvgateError):
+    """The epoch table cannot be used: its Redis failed or does not answer in time, or the embedded
+    Redis of this data directory belongs to another kvgate."""
+
+    status = 503
+    type = "service_unavailable"
 
 
 class AuditError(KvgateError):

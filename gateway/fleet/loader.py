@@ -89,7 +89,7 @@ class AdapterLoader:
     async def _load(self, replica: Replica, version: VersionState) -> None:
         token = secrets.token_hex(8)
         deadline = time.monotonic() + self.load_timeout
-        locked = await self._acquire(replica, version, token)
+        locked = await self._acquire(replica, version.name, token)
         while not locked:  # another kvgate is loading it: watch the replica until it lists it
             await asyncio.sleep(0.2)
             await self.pool.refresh(replica)
@@ -97,7 +97,7 @@ class AdapterLoader:
                 return
             if time.monotonic() > deadline:
                 raise NoEligibleReplica(f"timed out waiting for another kvgate to load {version.name}")
-            locked = await self._acquire(replica, version, token)
+            locked = await self._acquire(replica, version.name, token)
         try:
             await self.pool.refresh(replica)
             if replica.serves(version.name, version.path):
@@ -116,7 +116,7 @@ class AdapterLoader:
                 )
         finally:
             if locked:
-                await self._release(replica, version, token)
+                await self._release(replica, version.name, token)
 
     async def _post_load(self, replica: Replica, version: VersionState) -> None:
         started = time.perf_counter()
@@ -142,18 +142,18 @@ class AdapterLoader:
                 self.metrics.loads.labels(replica.url, outcome).inc()
                 self.metrics.load_seconds.labels(replica.url).observe(time.perf_counter() - started)
 
-    async def _acquire(self, replica: Replica, version: VersionState, token: str) -> bool:
+    async def _acquire(self, replica: Replica, name: str, token: str) -> bool:
+        """The fleet-wide lock on loading (or repairing) versioned ``name`` on ``replica``."""
+        logical_id = name.partition("@")[0]
         try:
-            return await self.table.acquire_load_lock(
-                version.logical_id, version.name, replica.url, token, self.lock_ttl_ms
-            )
+            return await self.table.acquire_load_lock(logical_id, name, replica.url, token, self.lock_ttl_ms)
         except REDIS_DOWN as exc:
             log.warning("load lock unavailable (%s); loading with local single-flight only", exc)
             return True
 
-    async def _release(self, replica: Replica, version: VersionState, token: str) -> None:
+    async def _release(self, replica: Replica, name: str, token: str) -> None:
         try:
-            await self.table.release_load_lock(version.logical_id, version.name, replica.url, token)
+            await self.table.release_load_lock(name.partition("@")[0], name, replica.url, token)
         except REDIS_DOWN as exc:
             log.warning("could not release load lock (it expires by itself): %s", exc)
 
@@ -255,11 +255,22 @@ class AdapterLoader:
                 del self.snapshot.retired[name]
 
     async def _repair(self) -> None:
+        """Unload quarantined copies, each under its load lock (never racing a load of that name), and
+        only while the replica still lists the quarantined root."""
         self.quarantine.inspect_all({state.logical_id for state in self.snapshot}, self.store_prefix)
         for finding in self.quarantine.findings():
             replica = self.pool.get(finding.replica)
-            if finding.repairable and replica is not None and replica.healthy:
-                await self._unload(replica, finding.name, reason="repair")
+            if not finding.repairable or replica is None or not replica.healthy:
+                continue
+            token = secrets.token_hex(8)
+            if not await self._acquire(replica, finding.name, token):
+                continue  # being loaded right now: look again at the next sweep
+            try:
+                await self.pool.refresh(replica)
+                if replica.listing.adapters.get(finding.name) == finding.root:
+                    await self._unload(replica, finding.name, reason="repair")
+            finally:
+                await self._release(replica, finding.name, token)
 
     async def sweep_forever(self, interval: float) -> None:
         await periodically(interval, self.sweep)

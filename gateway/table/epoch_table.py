@@ -179,6 +179,20 @@ class EpochTable:
         _raise_for(int(code), logical_id, "")
         return Change(changed=True, epoch=int(epoch))
 
+    async def reseed(
+        self, logical_id: str, digest: str, name: str, path: str, base: str, epoch: int
+    ) -> Change:
+        """Put back a version a snapshot held, at its epoch, after the table came back empty (see
+        ``lua/reseed_version.lua``). ``changed`` False: the ID's version stays; ``epoch`` is its epoch."""
+        await self.redis.sadd(keys.IDS, logical_id)
+        code, current = await self.run(
+            "reseed_version",
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
+            [logical_id, digest, name, path, base, epoch, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+        )
+        _raise_for(int(code), logical_id, digest, base)
+        return Change(changed=int(code) == codes()["CHANGED"], epoch=int(current), digest=digest)
+
     async def record_loaded(self, replica: str, loaded: dict[str, str], ttl_ms: int) -> bool:
         await self.redis.sadd(keys.REPLICAS, replica)
         doc = json.dumps(loaded, sort_keys=True, separators=(",", ":"))
@@ -205,13 +219,23 @@ class EpochTable:
         raw: dict[bytes, bytes] = await self.redis.hgetall(keys.state(logical_id))  # type: ignore[assignment]
         return _parse_state(logical_id, raw)
 
+    async def has_version(self, logical_id: str, base: str, digest: str) -> bool:
+        """Whether DIGEST was ever published (or re-seeded) for BASE under LOGICAL_ID."""
+        return bool(await self.redis.hexists(keys.versions(logical_id), keys.version_field(base, digest)))
+
     async def read_all(self) -> TableView:
-        generation = await self.ensure_generation()
-        ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for logical_id in ids:
-                pipe.hgetall(keys.state(logical_id))
-            raws = await pipe.execute()
+        """Every current version, all of one generation: a read the table was emptied under is read again
+        (else it would show the old generation with no IDs, and the snapshot would forget them all)."""
+        while True:
+            generation = await self.ensure_generation()
+            ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for logical_id in ids:
+                    pipe.hgetall(keys.state(logical_id))
+                pipe.get(keys.GENERATION)
+                *raws, after = await pipe.execute()
+            if after is not None and _text(after) == generation:
+                break
         states = {}
         for logical_id, raw in zip(ids, raws, strict=True):
             state = _parse_state(logical_id, raw)

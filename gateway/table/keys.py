@@ -2,10 +2,13 @@
 
 Per logical ID, all keys share the hash tag ``{ID}`` so each Lua script touches one Redis Cluster slot:
 
-    kvg:{ID}:state       hash: digest, name, path, base, epoch, updated_ms   (the current version)
+    kvg:{ID}:state       hash: digest, name, path, base, epoch, updated_ms   (the current version;
+                         reseeded_epoch too when a reseed wrote it)
     kvg:{ID}:versions    hash: BASE|DIGEST -> JSON {name, path, base, published_ms}
                          (every version published: a version is a digest for a base; a digest is 64 hex)
     kvg:{ID}:history     list: JSON {epoch, digest, base, action, at_ms}, newest first
+                         (action: publish, rollback, bump, or reseeded: put back from a kvgate's
+                         snapshot after the table came back empty)
     kvg:{ID}:lock:NAME@REPLICA   single-flight load lock (a string owner token with a TTL)
 
 Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL);
@@ -39,6 +42,11 @@ def state(logical_id: str) -> str:
 
 def versions(logical_id: str) -> str:
     return f"{PREFIX}:{{{logical_id}}}:versions"
+
+
+def version_field(base: str, digest: str) -> str:
+    """The field of one version in ``kvg:{ID}:versions`` (lua/lib/common.lua's ``version_field``)."""
+    return f"{base}|{digest}"
 
 
 def history(logical_id: str) -> str:

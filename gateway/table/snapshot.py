@@ -5,7 +5,8 @@ periodic full reconcile (default 1 s) replaces everything, catching hints that w
 mutations made straight through Redis. When the Redis connection drops, the snapshot is marked
 ``flushed``: it keeps serving what it had (a versioned name always means the same bytes, so a lagging
 snapshot serves the previous version coherently, never a mix) and is rebuilt wholesale, not patched,
-as soon as Redis answers again. A new table generation (Redis came back empty) also rebuilds it.
+as soon as Redis answers again. A new table generation (Redis came back empty) also rebuilds it, after
+the ``Reseeder`` (reseed.py) has written back what the snapshot held and can prove.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.reseed import Reseeder
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +79,22 @@ class Snapshot:
 
 
 class SnapshotSync:
-    def __init__(self, table: EpochTable, snapshot: Snapshot, *, interval: float) -> None:
+    def __init__(
+        self, table: EpochTable, snapshot: Snapshot, *, interval: float, reseeder: Reseeder | None = None
+    ) -> None:
         self.table = table
         self.snapshot = snapshot
         self.interval = interval
+        self.reseeder = reseeder
+        self._reading = asyncio.Lock()  # the listener and the periodic loop both reconcile: one at a time
 
     async def reconcile(self) -> None:
-        view = await self.table.read_all()
-        self.snapshot.replace(view)
+        async with self._reading:
+            view = await self.table.read_all()
+            new_table = bool(self.snapshot.generation) and view.generation != self.snapshot.generation
+            if new_table and self.reseeder and await self.reseeder.reseed(self.snapshot, view.generation):
+                view = await self.table.read_all()  # with what was re-seeded
+            self.snapshot.replace(view)
 
     async def run(self) -> None:
         """Run until cancelled: the hint listener and the periodic reconcile side by side."""

@@ -67,6 +67,17 @@ class Metrics:
         self.epoch_changes = Counter(
             "kvgate_epoch_changes", "Epoch changes seen by this kvgate's snapshot", ["logical_id"], registry=r
         )
+        self.new_generations = Counter(
+            "kvgate_table_new_generations",
+            "Times the epoch table came back empty (a new generation) under this kvgate's snapshot",
+            registry=r,
+        )
+        self.reseeded_versions = Counter(
+            "kvgate_table_reseeded_versions",
+            "After a new generation, per logical ID the snapshot held: reseeded, already_present, unproven",
+            ["outcome"],
+            registry=r,
+        )
         self.staleness = Gauge(
             "kvgate_snapshot_staleness_seconds",
             "Seconds since the last full read of the epoch table",

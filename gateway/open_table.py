@@ -1,0 +1,48 @@
+"""How a command reaches the epoch table: the configured Redis, or the embedded one under ``--data-dir``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from opentelemetry.sdk.trace import TracerProvider
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.config import Settings
+from gateway.core.errors import TableUnavailable
+from gateway.periodic import background
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.tracing import tracer_from
+
+
+@contextlib.asynccontextmanager
+async def open_table(
+    settings: Settings, tracing: TracerProvider | None, *, own: bool = False
+) -> AsyncIterator[EpochTable]:
+    """The configured Redis, or the embedded one under ``--data-dir``: with ``own`` (serve) this process
+    owns it and restarts it if it dies; otherwise the running one is used (or, when nobody owns the
+    directory, one is started for this command). A Redis that fails is ``TableUnavailable``: one line."""
+    async with contextlib.AsyncExitStack() as stack:
+        url = settings.redis_url
+        if url is None:
+            server = EmbeddedRedis(settings.data_dir, answer_timeout=settings.redis_timeout)
+            if own:
+                stack.enter_context(server)
+                await stack.enter_async_context(background(server.supervise()))
+            else:
+                stack.enter_context(server.using())
+            url = server.url
+        redis = Redis.from_url(
+            url,
+            health_check_interval=10,
+            socket_timeout=settings.redis_timeout,
+            socket_connect_timeout=settings.redis_timeout,
+        )
+        try:
+            yield EpochTable(redis, tracer=tracer_from(tracing))
+        except RedisError as exc:
+            raise TableUnavailable(f"the epoch table's Redis failed: {exc}") from exc
+        finally:
+            await redis.aclose()

@@ -1,0 +1,37 @@
+--[[
+reseed_version: put back the version a kvgate's snapshot held for a logical ID, after the table came
+back empty (a new generation: FLUSHALL, or Redis restarted without its data), atomically.
+It writes only when the logical ID has no current version, or one that only a reseed wrote, at a lower
+epoch: any number of kvgates may run it for the same ID, in any order, and the table ends at the
+freshest version their snapshots held (the highest epoch), each write once. Anything else that wrote
+the ID since (a publish, a rollback, a bump: each moves the epoch off reseeded_epoch) wins.
+The kvgate passes only what it can prove: a version whose content-addressed store directory exists.
+Needs lua/lib/common.lua prepended (kvgate does; `kvgate script reseed_version` prints both).
+
+KEYS[1]  kvg:{ID}:state     KEYS[2] kvg:{ID}:versions     KEYS[3] kvg:{ID}:history
+ARGV[1]  logical ID          ARGV[2] digest (64 hex)        ARGV[3] versioned name
+ARGV[4]  store path          ARGV[5] base identity          ARGV[6] the epoch the snapshot held
+ARGV[7]  now (ms)            ARGV[8] hint channel           ARGV[9] history length kept
+
+Returns {code, epoch}:
+  CODE.CHANGED    re-seeded at epoch ARGV[6] (state.reseeded_epoch = it): a 'reseeded' history event
+                  and a hint
+  CODE.UNCHANGED  the ID has a version that stays (no write, no hint); epoch is its epoch
+]]
+local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local epoch = tonumber(ARGV[6])
+local current = redis.call('HMGET', KEYS[1], 'digest', 'epoch', 'reseeded_epoch')
+if current[1] then
+  local in_force = tonumber(current[2])
+  local only_reseeded = current[3] and tonumber(current[3]) == in_force
+  if not (only_reseeded and epoch > in_force) then
+    return {CODE.UNCHANGED, in_force}
+  end
+end
+redis.call('HSET', KEYS[2], version_field(base, digest),
+  cjson.encode({name = name, path = path, base = base, published_ms = tonumber(now)}))
+redis.call('HSET', KEYS[1], 'digest', digest, 'name', name, 'path', path, 'base', base, 'epoch', epoch,
+  'reseeded_epoch', epoch, 'updated_ms', now)
+append_history(KEYS[3], ARGV[9], epoch, digest, base, 'reseeded', now)
+redis.call('PUBLISH', ARGV[8], id)
+return {CODE.CHANGED, epoch}
