@@ -1,8 +1,12 @@
 """The aiohttp application: components wired with typed ``AppKey``s, each started by its ``cleanup_ctx``.
 
 Start order: one shared ClientSession → epoch table and snapshot (first full read before serving) →
-replica poller (first poll before serving) → lease heartbeat → drain/unload sweeper. Stopped in reverse
-(the leases are let go on the way out).
+API keys (first read before serving, when on) → replica poller (first poll before serving) → lease
+heartbeat → drain/unload sweeper. Stopped in reverse (the leases are let go on the way out).
+
+With ``admin_port`` set, ``/kvgate/status`` and ``/metrics`` leave the public app (404 there, and the
+admin token is refused there) for a second app, ``app[ADMIN_LISTENER]``, which serves them beside the
+whole API (audits pin through it); both apps' handlers read the one set of components of the first.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from gateway.fleet.replicas import ReplicaPool
 from gateway.periodic import background as _background
 from gateway.periodic import periodically
 from gateway.proof.canary import Canary
-from gateway.request.admin import Admin, list_models
+from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
+from gateway.request.auth import Auth
 from gateway.request.proxy import Proxy, ProxyOptions
+from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
@@ -56,6 +62,9 @@ LEASES = web.AppKey("leases", Leases)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 ACTIVITY = web.AppKey("activity", dict[str, float])
 RESEEDER = web.AppKey("reseeder", Reseeder)
+CALLERS = web.AppKey("callers", Callers)
+AUTH = web.AppKey("auth", Auth)
+ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -108,44 +117,57 @@ def build_app(
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
     app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
+    if settings.auth == "api-keys":
+        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
+    app.cleanup_ctx.append(_caller_sync)
     app.cleanup_ctx.append(_replica_poller)
     app.cleanup_ctx.append(_lease_heartbeat)
     app.cleanup_ctx.append(_sweeper)
     app.cleanup_ctx.append(_canary)
     app.cleanup_ctx.append(_purger)
 
+    # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[PROXY].handle(request)
+        return await app[PROXY].handle(request)
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
-        return list_models(request.app[SNAPSHOT], request.app[SETTINGS].base_model)
+        return list_models(app[SNAPSHOT], app[SETTINGS].base_model, app[AUTH].caller(request))
 
     async def status_handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[ADMIN].status(request)
+        return await app[ADMIN].status(request)
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
-        body = request.app[METRICS].exposition()
+        body = app[METRICS].exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
-        pool, snapshot = request.app[POOL], request.app[SNAPSHOT]
+        pool, snapshot = app[POOL], app[SNAPSHOT]
         body = {
             "replicas_healthy": len(pool.healthy()),
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
-            "table": {"generation": snapshot.generation, **request.app[RESEEDER].health()},
+            "table": {"generation": snapshot.generation, **app[RESEEDER].health()},
         }
         return web.json_response(body, status=200 if pool.healthy() else 503)
 
-    app.router.add_post("/v1/completions", proxy_handler)
-    app.router.add_post("/v1/chat/completions", proxy_handler)
-    app.router.add_get("/v1/models", models_handler)
-    app.router.add_get("/healthz", health_handler)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/kvgate/status", status_handler)
+    def api_routes(target: web.Application) -> None:
+        target.router.add_post("/v1/completions", proxy_handler)
+        target.router.add_post("/v1/chat/completions", proxy_handler)
+        target.router.add_get("/v1/models", models_handler)
+        target.router.add_get("/healthz", health_handler)
+
+    api_routes(app)
+    admin = app
+    if settings.admin_port is not None:  # the admin surface on a listener of its own
+        app[ADMIN_SURFACE] = False
+        admin = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+        api_routes(admin)
+        app[ADMIN_LISTENER] = admin
+    admin.router.add_get("/metrics", metrics_handler)
+    admin.router.add_get("/kvgate/status", status_handler)
     return app
 
 
@@ -188,11 +210,14 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE]
         )
+        app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
+        _warn_about_tenants(settings, dialect.cache_namespaces)
         options = ProxyOptions(
             base_model=settings.base_model,
             base_identity=settings.base_identity,
             max_body_bytes=settings.max_body_bytes,
             namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
+            expose_replica_urls=settings.expose_replica_urls,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
@@ -203,6 +228,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             app[ADMIN],
             dialect,
             options,
+            auth=app[AUTH],
             activity=app[ACTIVITY],
             metrics=app[METRICS],
             tracer=app[TRACER],
@@ -217,6 +243,34 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
     await sync.reconcile()
     async with _background(sync.run()):
         yield
+
+
+async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
+    if CALLERS not in app:
+        yield
+        return
+    table = CallerTable(app[TABLE].redis)
+    sync = CallerSync(table, app[CALLERS], interval=app[SETTINGS].reconcile_interval)
+    await sync.reload()
+    log.info("API keys on: %d keys", len(app[CALLERS]))
+    async with _background(sync.run()):
+        yield
+
+
+def _warn_about_tenants(settings: Settings, cache_namespaces: bool) -> None:
+    if settings.auth == "off":
+        return
+    if not cache_namespaces:
+        log.warning(
+            "%s replicas have no cache namespace: base-model callers of every tenant share one prefix cache "
+            "(the timing side channel between tenants stays open)",
+            settings.backend,
+        )
+    if settings.admin_port is None:
+        log.warning(
+            "API keys on, but /metrics (which names logical IDs) is on the public listener: "
+            "set admin_port to serve it on a listener of its own"
+        )
 
 
 async def _replica_poller(app: web.Application) -> AsyncIterator[None]:

@@ -1,4 +1,5 @@
-"""``kvgate``: serve, publish, rollback, bump, status, audit (``cli_audit.py``), demo, script.
+"""``kvgate``: serve, publish, rollback, bump, status, audit (``cli_audit.py``), demo, keys
+(``cli_keys.py``), script.
 
 Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -23,14 +25,16 @@ from pydantic import ValidationError
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
+from gateway.app import ADMIN_LISTENER, build_app
 from gateway.cli_audit import cmd_audit
+from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
 from gateway.open_table import open_table
 from gateway.serving import running
+from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import assemble_script, operation_names
 from gateway.table.leases import live_gateways
 from gateway.telemetry.tracing import tracer_provider_from_env
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(demo, "demo")
     demo.add_argument("--vllm-python", type=Path, required=True, help="python of the vLLM CPU virtualenv")
     demo.add_argument("--fixture-dir", type=Path, required=True, help="tiny model and adapters")
+
+    add_keys_parser(commands, lambda parser: _common(parser, "keys"))
 
     script = commands.add_parser("script", help="print an epoch table Lua script whole, for redis-cli --eval")
     script.add_argument("name", choices=operation_names(), help="lua/NAME.lua")
@@ -179,15 +185,27 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
-    async with open_table(settings, tracing, own=True) as table:
+    async with open_table(settings, tracing, own=True) as table, contextlib.AsyncExitStack() as listeners:
         app = build_app(settings, table.redis, tracer_provider=tracing)
-        async with running(app, settings.host, settings.port) as url:
-            logging.getLogger("gateway").info("kvgate listening on %s", url)
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+        log = logging.getLogger("gateway")
+        log.info(
+            "kvgate listening on %s",
+            await listeners.enter_async_context(running(app, settings.host, settings.port)),
+        )
+        if ADMIN_LISTENER in app:
+            admin = running(app[ADMIN_LISTENER], settings.admin_host, settings.admin_port)
+            log.info("admin listener on %s", await listeners.enter_async_context(admin))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+
+async def cmd_keys(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    check_keys_arguments(args)  # before Redis is even started
+    async with open_table(settings, tracing) as table:
+        await run_keys_command(args, CallerTable(table.redis))
 
 
 async def cmd_demo(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
@@ -206,6 +224,7 @@ COMMANDS: dict[str, Command] = {
     "bump": cmd_bump,
     "status": cmd_status,
     "demo": cmd_demo,
+    "keys": cmd_keys,
 }
 
 

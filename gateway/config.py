@@ -94,6 +94,16 @@ class Settings(BaseSettings):
     """Largest adapter ``kvgate publish`` stores (the sum of its file sizes); a larger one is refused."""
     admin_token: SecretStr | None = None
     """Admin token (header ``x-kvgate-admin-token``): pinning, cold namespaces, status. Prefer the env var."""
+    auth: Literal["off", "api-keys"] = "off"
+    """Callers: off (anyone may use any logical ID) or api-keys (``Authorization: Bearer``: kvgate keys)."""
+    auth_max_staleness: float = Field(60.0, gt=0)
+    """With api-keys: seconds kvgate trusts its copy of the keys while Redis is unreachable (then 503)."""
+    admin_host: str = "127.0.0.1"
+    """Address of the admin listener (see admin_port)."""
+    admin_port: int | None = Field(None, ge=0, le=65535)
+    """If set, /kvgate/status and /metrics are served on this port (with the API), 404 on the public one."""
+    expose_replica_urls: bool = False
+    """Name replicas by URL in ``x-kvgate-replica`` (default: a stable id; /kvgate/status maps id to URL)."""
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -119,6 +129,21 @@ class Settings(BaseSettings):
                 f"lock_ttl ({self.lock_ttl:g} s) must exceed load_timeout ({self.load_timeout:g} s): "
                 "a load lock that expires mid-load lets a second kvgate load the same adapter"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _keys_outlive_a_reconcile(self) -> Self:
+        if self.auth == "api-keys" and self.auth_max_staleness <= self.reconcile_interval:
+            raise ValueError(
+                f"auth_max_staleness ({self.auth_max_staleness:g} s) must exceed reconcile_interval "
+                f"({self.reconcile_interval:g} s): keys are re-read every reconcile_interval"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _admin_listener_apart(self) -> Self:
+        if self.admin_port and (self.admin_host, self.admin_port) == (self.host, self.port):
+            raise ValueError(f"admin_port ({self.admin_port}) must differ from port: it is a second listener")
         return self
 
     @property
@@ -162,7 +187,7 @@ def describe_invalid(exc: ValidationError) -> str:
 
 START = "<!-- settings-table:start -->"
 END = "<!-- settings-table:end -->"
-COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo")
+COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo", "keys")
 
 # Where the table and the store are, and which base and backend they belong to: every command reads them.
 _EVERY_COMMAND = frozenset(

@@ -85,6 +85,11 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "redis_timeout": ("2.5", 2.5),
     "max_adapter_bytes": ("4096", 4096),
     "admin_token": ("s3cret", "s3cret"),
+    "auth": ("api-keys", "api-keys"),
+    "auth_max_staleness": ("30", 30.0),
+    "admin_host": ("10.0.0.1", "10.0.0.1"),
+    "admin_port": ("9101", 9101),
+    "expose_replica_urls": ("", True),  # a switch: the flag alone
 }
 
 
@@ -111,11 +116,20 @@ def test_max_drain_is_at_least_the_drain_grace() -> None:
     assert Settings(drain_grace=5, max_drain=5).max_drain == 5
 
 
+def test_api_keys_must_outlive_a_reconcile_and_the_admin_listener_is_a_second_one() -> None:
+    with pytest.raises(ValidationError, match=r"auth_max_staleness \(1 s\) must exceed reconcile_interval"):
+        Settings(auth="api-keys", auth_max_staleness=1, reconcile_interval=1)
+    assert Settings(auth_max_staleness=1, reconcile_interval=1).auth == "off"  # only checked with keys on
+    with pytest.raises(ValidationError, match="admin_port"):
+        Settings(port=8080, admin_port=8080)
+    assert Settings(port=0, admin_port=0).admin_port == 0  # two free ports
+
+
 def test_every_setting_is_a_serve_flag_that_sets_it() -> None:
     assert set(FLAG_VALUES) == set(Settings.model_fields)
     argv = ["serve", "--replica", "http://r0:8000"]
     for name, (typed, _) in FLAG_VALUES.items():
-        argv += [flag(name), typed]
+        argv += [flag(name), typed] if typed else [flag(name)]
     settings = settings_from(build_parser().parse_args(argv))
     for name, (_, expected) in FLAG_VALUES.items():
         got = getattr(settings, name)
@@ -138,7 +152,7 @@ def test_drain_grace_flag_beats_environment_and_file(tmp_path: Path, monkeypatch
 @pytest.mark.parametrize("command", COMMANDS)
 def test_settings_from_passes_exactly_the_flags_the_command_has(command: str) -> None:
     positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"],
-                   "demo": ["--vllm-python", "py", "--fixture-dir", "fx"]}  # fmt: skip
+                   "demo": ["--vllm-python", "py", "--fixture-dir", "fx"], "keys": ["list"]}  # fmt: skip
     args = build_parser().parse_args([command, *positionals.get(command, [])])
     parsed = set(vars(args)) & set(Settings.model_fields)
     assert parsed == set(setting_names(command)) == set(flag_overrides(args, command))

@@ -18,6 +18,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
 from gateway.core.identity import versioned_name
+from gateway.core.wire import replica_id
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
@@ -113,7 +114,7 @@ async def test_completion_is_rewritten_both_ways(gateway: Gateway, publish: Any)
     assert completion.model == "tenant-42"
     assert raw.headers["x-kvgate-version"] == v1
     assert raw.headers["x-kvgate-epoch"] == "1"
-    served = next(state for u, state in backends if u == raw.headers["x-kvgate-replica"])
+    served = next(state for u, state in backends if replica_id(u) == raw.headers["x-kvgate-replica"])
     sent = served.received[-1]
     assert sent["model"] == v1
     assert sent["cache_salt"].startswith("kvg-")
@@ -325,7 +326,7 @@ async def test_a_replica_with_another_base_is_never_eligible(gateway: Gateway, p
                 raw = await api.completions.with_raw_response.create(
                     model="tenant-42", prompt="p", max_tokens=1
                 )
-                assert raw.headers["x-kvgate-replica"] == good_url
+                assert raw.headers["x-kvgate-replica"] == replica_id(good_url)
     assert (other.loads, good.loads) == ([], [v1])
     async with stubs(1) as only_other:
         only_other[0][1].base = "another-base"
@@ -353,7 +354,7 @@ async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
                 await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
                 for _ in range(3)
             ]
-    assert {raw.headers["x-kvgate-replica"] for raw in served} == {survivor_url}
+    assert {raw.headers["x-kvgate-replica"] for raw in served} == {replica_id(survivor_url)}
     assert len(survivor.received) == 3
 
 
@@ -366,7 +367,7 @@ async def test_a_replica_dead_at_load_time_is_skipped(gateway: Gateway, publish:
         async with gateway([doomed_url, survivor_url], poll_interval=60) as url, client(url) as api:
             await doomed_app.__aexit__(None, None, None)  # the first pick for the load, now gone
             raw = await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
-    assert raw.headers["x-kvgate-replica"] == survivor_url
+    assert raw.headers["x-kvgate-replica"] == replica_id(survivor_url)
     assert (doomed.loads, survivor.loads) == ([], [v1])
 
 

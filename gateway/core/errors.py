@@ -3,8 +3,10 @@
     KvgateError                      500 internal_error
     ├── BadRequest                   400 invalid_request_error
     │   └── BodyTooLarge             413 invalid_request_error
-    ├── Unauthorized                 401 authentication_error   (admin surface without the token)
-    ├── ModelNotFound                404 not_found_error        (unknown logical ID)
+    ├── Unauthorized                 401 authentication_error   (no valid API key; admin surface, no token)
+    ├── ModelNotFound                404 not_found_error        (unknown logical ID, or not the caller's)
+    ├── CallerNotFound               404 not_found_error        (revoke of an API key id that does not exist)
+    ├── KeysUnavailable              503 service_unavailable    (API keys on, key table unread for too long)
     ├── InvalidAdapter               400 invalid_adapter        (publish refuses a directory)
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
@@ -70,6 +72,19 @@ class Unauthorized(KvgateError):
 class ModelNotFound(KvgateError):
     status = 404
     type = "not_found_error"
+
+
+class CallerNotFound(KvgateError):
+    status = 404
+    type = "not_found_error"
+
+
+class KeysUnavailable(KvgateError):
+    """kvgate could not read the API key table for longer than ``auth_max_staleness``: a revoke made
+    meanwhile might not be seen yet, so no key is trusted until the table answers again."""
+
+    status = 503
+    type = "service_unavailable"
 
 
 class InvalidAdapter(KvgateError):

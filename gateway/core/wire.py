@@ -1,9 +1,11 @@
 """What crosses the wire between clients, kvgate and replicas: header names and cache namespaces.
 
-The response headers in ``EVIDENCE_HEADERS`` say which effective model answered. The admin-only request
-headers pin a request to one replica or ask for a fresh (cold) cache namespace; audits use both. The
-gateway's cache namespace (``cache_salt`` on vLLM) is derived here, never taken from a client: a fixed
-``kvg-`` prefix and hex only, so it can never collide with a LoRA name.
+The response headers in ``EVIDENCE_HEADERS`` say which effective model answered, and where (a replica's
+public name: ``replica_id``, not its address, unless configured). The admin-only request headers pin a
+request to one replica or ask for a fresh (cold) cache namespace; audits use both. The gateway's cache
+namespaces (``cache_salt`` on vLLM) are derived here, never taken from a client: a fixed ``kvg-`` prefix
+and hex only, so they can never collide with a LoRA name. With API keys on, the base model gets one
+namespace per tenant (``tenant_salt``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,28 @@ PIN_HEADER = "x-kvgate-pin"
 NAMESPACE_HEADER = "x-kvgate-namespace"  # "cold": a fresh, throwaway cache namespace (audits)
 ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
 CLIENT_NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # vLLM's and SGLang's: never taken from a client
+AUTHORIZATION_HEADER = "Authorization"  # with API keys on it carries kvgate's credential: never forwarded
+REPLICA_ID_PREFIX = "r-"
 
 
 def cache_salt(generation: str, version: VersionState) -> str:
     """The gateway's cache namespace for one effective model and epoch: fixed prefix, hex only."""
     key = f"{generation}\0{version.base}\0{version.digest}\0{version.epoch}".encode()
     return SALT_PREFIX + blake3(key).hexdigest()[:32]
+
+
+def tenant_salt(base: str, tenant: str) -> str:
+    """The base model's cache namespace for one tenant (API keys on): tenants never share base-model
+    prefix blocks, so the prefix-cache timing side channel between them is closed. Domain-separated from
+    ``cache_salt`` (whose key starts with a generation, never with ``tenant``)."""
+    key = f"tenant\0{base}\0{tenant}".encode()
+    return SALT_PREFIX + blake3(key).hexdigest()[:32]
+
+
+def replica_id(url: str) -> str:
+    """A replica's public name in evidence headers: short and stable (every kvgate derives the same one
+    from the same URL). A hash, not a secret: it hides the address, not a guessable one."""
+    return REPLICA_ID_PREFIX + blake3(url.encode()).hexdigest()[:12]
 
 
 def cold_salt() -> str:

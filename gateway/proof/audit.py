@@ -225,6 +225,11 @@ class GatewayTarget:
         async with http.get(f"{self.gateway}/kvgate/status", headers=headers) as response:
             if response.status == 401:
                 raise Unauthorized(f"{self.gateway} refused the admin token: {await response.text()}")
+            if response.status == 404:
+                raise AuditError(
+                    f"{self.gateway} does not serve /kvgate/status: if kvgate has an admin listener "
+                    "(admin_port), audit through it"
+                )
             if response.status != 200:
                 raise AuditError(
                     f"{self.gateway}/kvgate/status answered {response.status}: {await response.text()}"

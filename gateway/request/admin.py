@@ -1,5 +1,9 @@
 """The admin surface: the token check, the admin-only request options (pin, cold namespace), and the
-views (``/kvgate/status``, ``/v1/models``). Off without a configured admin token."""
+views (``/kvgate/status``, ``/v1/models``). Off without a configured admin token.
+
+When the admin surface has a listener of its own (``admin_port``), the public listener's app is marked
+``ADMIN_SURFACE = False``: the token is refused there, whatever it is. A pin names a replica by its id
+(``x-kvgate-replica``) or its URL."""
 
 from __future__ import annotations
 
@@ -10,11 +14,15 @@ from aiohttp import web
 
 from gateway.core.errors import BadRequest, Unauthorized
 from gateway.core.prefix import PrefixIndex
-from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER
+from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER, replica_id
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
+
+ADMIN_SURFACE = web.AppKey("admin_surface", bool)
+"""Whether an app's listener serves the admin surface (absent: it does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +54,8 @@ class Admin:
 
     def check(self, request: web.Request) -> None:
         """A constant-time token check; always refused when kvgate has no admin token."""
+        if not request.app.get(ADMIN_SURFACE, True):
+            raise Unauthorized("the admin surface is served on kvgate's admin listener only")
         token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.token
         if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
             raise Unauthorized(
@@ -62,7 +72,7 @@ class Admin:
         if pin_url is None:
             return AdminOptions(None, cold)
         for replica in self.pool.replicas:
-            if replica.url == pin_url.rstrip("/"):
+            if pin_url.rstrip("/") in (replica.url, replica_id(replica.url)):
                 return AdminOptions(replica, cold)
         raise BadRequest(f"{PIN_HEADER}: {pin_url!r} is not one of this pool's replicas")
 
@@ -75,8 +85,9 @@ class Admin:
             for s in self.snapshot
         }  # fmt: skip
         replicas = [
-            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "base": r.listing.base_name,
-             "max_model_len": r.listing.max_model_len, "adapters": r.listing.adapters}
+            {"id": replica_id(r.url), "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+             "base": r.listing.base_name, "max_model_len": r.listing.max_model_len,
+             "adapters": r.listing.adapters}
             for r in self.pool.replicas
         ]  # fmt: skip
         doc = {
@@ -93,9 +104,12 @@ class Admin:
         return web.json_response(doc)
 
 
-def list_models(snapshot: Snapshot, base_model: str) -> web.Response:
-    """``/v1/models``: the base model and every logical ID (never a versioned name)."""
-    ids = [(base_model, None), *sorted((state.logical_id, base_model) for state in snapshot)]
+def list_models(snapshot: Snapshot, base_model: str, caller: Caller | None = None) -> web.Response:
+    """``/v1/models``: the base model and every logical ID (never a versioned name); for a caller with an
+    API key, only what it may use."""
+    allowed = sorted(state.logical_id for state in snapshot if may_use(caller, state.logical_id))
+    base = [(base_model, None)] if may_use_base(caller) else []
+    ids = [*base, *((logical_id, base_model) for logical_id in allowed)]
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "parent": parent}
         for model, parent in ids

@@ -1,11 +1,13 @@
-"""The OpenAI-compatible request path, in stages: parse → resolve (snapshot) → schedule → forward.
+"""The OpenAI-compatible request path, in stages: caller → parse → resolve (snapshot) → schedule → forward.
 
 Going in, ``model`` is rewritten from the logical ID to the versioned name and the gateway sets the
 cache namespace (the client's ``cache_salt`` is never forwarded). Coming out (``relay``), the versioned
 name is rewritten back to the logical ID and headers say which effective model answered. Where a
 request runs is the scheduler's decision; this module carries it out (a load through the loader, then
-the forward). No Redis command runs here: the snapshot is local. Each request leaves one span and its
-metrics.
+the forward). No Redis command runs here: the snapshot (and the API key copy) is local. Each request
+leaves one span and its metrics. With API keys on, the caller stage runs first (``auth``): what a caller
+may not use resolves as not found, the base model runs in the caller's tenant namespace, and the
+caller's ``Authorization`` (kvgate's credential) never goes on to a replica.
 """
 
 from __future__ import annotations
@@ -26,20 +28,28 @@ from gateway.core.errors import (
     BadRequest,
     BodyTooLarge,
     KvgateError,
-    ModelNotFound,
     NoEligibleReplica,
     VersionUnloading,
 )
 from gateway.core.model import Target
 from gateway.core.prefix import block_keys, prompt_text
 from gateway.core.scheduler import Decision, Scheduler
-from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, cache_salt, cold_salt
+from gateway.core.wire import (
+    AUTHORIZATION_HEADER,
+    CLIENT_NAMESPACE_FIELDS,
+    cache_salt,
+    cold_salt,
+    replica_id,
+    tenant_salt,
+)
 from gateway.fleet.backends import BackendDialect
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.request import relay
 from gateway.request.admin import Admin, AdminOptions
+from gateway.request.auth import Auth, not_found
+from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import UNKNOWN, Metrics
@@ -53,6 +63,7 @@ class ProxyOptions:
     base_identity: str
     max_body_bytes: int
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
+    expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +87,7 @@ class Proxy:
         dialect: BackendDialect,
         options: ProxyOptions,
         *,
+        auth: Auth,
         activity: dict[str, float],
         metrics: Metrics,
         tracer: Tracer,
@@ -93,14 +105,20 @@ class Proxy:
         self.metrics = metrics
         self.tracer = tracer
         self.tracing = not isinstance(tracer, NoOpTracer)
+        self.auth = auth
+        self.replica_names = {
+            r.url: r.url if options.expose_replica_urls else replica_id(r.url) for r in pool.replicas
+        }
+        """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         label, outcome = UNKNOWN, "error"
         with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
             try:
+                caller = self.auth.caller(request)
                 parsed = await self.parse(request)
-                target = self.resolve(parsed)
+                target = self.resolve(parsed, caller)
                 label = target.logical_id
                 if target.version is not None:
                     self.activity[label] = started
@@ -166,14 +184,17 @@ class Proxy:
 
     # --- stage 2: resolve ------------------------------------------------------------------------
 
-    def resolve(self, parsed: ParsedRequest) -> Target:
+    def resolve(self, parsed: ParsedRequest, caller: Caller | None) -> Target:
+        """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID."""
         if parsed.model == self.options.base_model:
-            return Target(parsed.model, self.options.base_identity, None, None, [])
+            if not may_use_base(caller):
+                raise not_found(parsed.model)
+            base = self.options.base_identity
+            salt = tenant_salt(base, caller.tenant) if caller is not None else None
+            return Target(parsed.model, base, None, salt, [])
         version = self.snapshot.get(parsed.model)
-        if version is None:
-            raise ModelNotFound(
-                f"The model `{parsed.model}` does not exist.", param="model", code="model_not_found"
-            )
+        if version is None or not may_use(caller, parsed.model):
+            raise not_found(parsed.model)
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [])
         salt = cache_salt(self.snapshot.generation, version)
@@ -201,7 +222,11 @@ class Proxy:
     # --- stage 4: forward ------------------------------------------------------------------------
 
     def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes:
-        if target.version is None and not any(field in parsed.body for field in CLIENT_NAMESPACE_FIELDS):
+        if (
+            target.version is None
+            and target.salt is None
+            and not any(field in parsed.body for field in CLIENT_NAMESPACE_FIELDS)
+        ):
             return parsed.raw
         body = dict(parsed.body)
         for field in CLIENT_NAMESPACE_FIELDS:  # a client never chooses a cache namespace
@@ -210,6 +235,8 @@ class Proxy:
             body["model"] = target.version.name
             if target.salt is not None and self.options.namespaces:
                 self.dialect.set_cache_namespace(body, target.salt)
+        elif target.salt is not None and self.dialect.cache_namespaces:  # the tenant's base namespace
+            self.dialect.set_cache_namespace(body, target.salt)
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def forward(
@@ -223,15 +250,15 @@ class Proxy:
     ) -> web.StreamResponse:
         name = target.version.name if target.version is not None else None
         headers = {"Content-Type": "application/json"}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+        if AUTHORIZATION_HEADER in request.headers and not self.auth.on:  # with keys on: kvgate's, not theirs
+            headers[AUTHORIZATION_HEADER] = request.headers[AUTHORIZATION_HEADER]
         if self.tracing:
             attr.inject_traceparent(headers)
         rewrite = relay.model_rewrite(name, target.logical_id) if name is not None else None
         usage = relay.Usage(self.metrics, target.logical_id, span)
-        evidence = relay.evidence(target, replica.url)
+        evidence = relay.evidence(target, self.replica_names[replica.url])
         async with self._in_use(replica, name):
-            with relay.upstream_errors(replica.url):
+            with relay.upstream_errors(self.replica_names[replica.url]):
                 async with self.pool.session.post(
                     replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
                 ) as upstream:

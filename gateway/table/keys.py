@@ -21,6 +21,11 @@ Indexes, each in its own slot, kept with plain SADD before the scripts that need
 ``kvg:generation`` changes when Redis comes back empty. Hints go to the pub/sub channel ``kvg:hints``:
 the message is a logical ID, or ``REPLICA_HINT_PREFIX`` + URL (scripts get the channel and prefix as ARGV).
 ``HISTORY_KEPT`` and ``DIGEST_PREFIX_MIN`` are limits the scripts get as ARGV too.
+
+API keys (callers), one hash in one slot, written with plain commands (each change is one HSETNX or HDEL):
+``kvg:callers`` maps a key id (the first ``KEY_ID_LENGTH`` hex of the key's blake3 hash) to JSON
+{hash, tenant, ids, base, created_ms}; the key itself is never stored. A change is announced on
+``kvg:callers:hints`` (any message: re-read the hash).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ HINTS = f"{PREFIX}:hints"
 REPLICA_HINT_PREFIX = "replica:"
 HISTORY_KEPT = 100
 DIGEST_PREFIX_MIN = 8  # a rollback target given as a digest prefix needs at least this many characters
+CALLERS = f"{PREFIX}:callers"
+CALLER_HINTS = f"{PREFIX}:callers:hints"
+KEY_ID_LENGTH = 12
 
 
 def state(logical_id: str) -> str:

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from redis.asyncio import Redis
 
-from gateway.app import build_app
+from gateway.app import ADMIN_LISTENER, build_app
 from gateway.config import Settings
 from gateway.serving import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
@@ -84,6 +84,7 @@ class Gateway:
     store: Path
     spans: InMemorySpanExporter
     metrics: Metrics
+    admin_url: str | None = None  # the admin listener, when ``admin_port`` is set
 
 
 GatewayFactory = Callable[..., AbstractAsyncContextManager[Gateway]]
@@ -114,7 +115,11 @@ def make_gateway(vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_pat
         app = build_app(settings, session_redis, tracer_provider=provider, metrics=metrics)
         try:
             async with running(app) as url:
-                yield Gateway(url, settings.store, spans, metrics)
+                if ADMIN_LISTENER not in app:
+                    yield Gateway(url, settings.store, spans, metrics)
+                    return
+                async with running(app[ADMIN_LISTENER]) as admin_url:
+                    yield Gateway(url, settings.store, spans, metrics, admin_url)
         finally:
             provider.shutdown()
 

@@ -14,7 +14,7 @@ import pytest
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json, post_json, run_kvgate
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json, post_json, run_kvgate
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -101,6 +101,36 @@ async def test_audit_through_kvgate_after_a_publish_is_coherent_everywhere(
     )  # fmt: skip
     assert human[0] == 0
     assert "coherent" in human[1]
+
+
+async def test_audit_through_the_admin_listener_with_api_keys_on(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """With keys on and the admin surface on its own listener, the audit runs there (the admin token
+    stands for the operator; pins may name replicas by URL), and the public listener refuses it."""
+    redis_url, store = redis_server.url, tmp_path / "store"
+    await kvgate_json(
+        "publish", "tenant-8", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+    )
+    async with make_gateway(auth="api-keys", admin_port=0) as started:
+        assert started.admin_url is not None
+        code, out, err = await run_kvgate(
+            "audit", "tenant-8", "--gateway", started.admin_url, "--admin-token", ADMIN_TOKEN, "--json",
+            redis_url=redis_url, store=store,
+        )  # fmt: skip
+        public = await run_kvgate(
+            "audit", "tenant-8", "--gateway", started.url, "--admin-token", ADMIN_TOKEN,
+            redis_url=redis_url, store=store,
+        )  # fmt: skip
+    assert code == 0, err + out
+    assert verdicts(json.loads(out), "audit") == {replica.url: "coherent" for replica in vllm_replicas}
+    assert public[0] == 1, public[2]
+    assert "audit through it" in public[2]
+    assert len(public[2].strip().splitlines()) == 1
 
 
 async def test_a_replica_left_on_the_old_version_is_a_mismatch(

@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt, replica_id
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
@@ -50,7 +50,7 @@ async def test_new_version_is_coherent_on_every_replica(
             before.append(await complete(http, url, LOGICAL, prompt, headers=pin(replica)))
     assert {s.evidence["x-kvgate-version"] for s in before} == {v1["name"]}
     assert [s.evidence["x-kvgate-replica"] for s in before] == [
-        r.url for r in vllm_replicas for _ in range(2)
+        replica_id(r.url) for r in vllm_replicas for _ in range(2)
     ]
     assert before[1].cached_tokens >= 384
     assert before[3].cached_tokens >= 384

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from redis.asyncio import Redis
 
 from gateway.proof.audit import GatewayTarget
 from gateway.proof.experiment import complete, long_prompt
+from gateway.table.callers import CallerTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
@@ -60,6 +63,32 @@ async def test_bump_misses_for_that_tenant_only_and_client_salts_are_ignored(
     assert chosen.usage.prompt_tokens_details is not None
     # Forwarded, a new salt would have missed; ignored, the request lands in tenant-b's namespace.
     assert (chosen.usage.prompt_tokens_details.cached_tokens or 0) >= 384
+
+
+async def test_with_api_keys_tenants_never_share_base_model_prefix_blocks(
+    make_gateway: GatewayFactory, vllm_replicas: list[VllmProcess], session_redis: Redis
+) -> None:
+    """The prefix-cache timing side channel between tenants (vLLM CVE-2025-46570), closed on the base model:
+    a tenant's repeated prompt hits its own cache; the same prompt from another tenant does not."""
+    callers = CallerTable(session_redis)
+    run = secrets.token_hex(4)  # fresh tenants: nothing of theirs is cached yet on the session's replicas
+    key_a, _ = await callers.create(f"acme-{run}", [], base=True)
+    key_b, _ = await callers.create(f"bolt-{run}", [], base=True)
+    prompt = long_prompt()
+
+    async def cached(url: str, key: str) -> int:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+            answer = await client.completions.create(model="base", prompt=prompt, max_tokens=1, temperature=0)
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens_details is not None
+        return answer.usage.prompt_tokens_details.cached_tokens or 0
+
+    async with make_gateway(auth="api-keys", replicas=[vllm_replicas[0].url]) as started:
+        a_first, a_again = await cached(started.url, key_a), await cached(started.url, key_a)
+        b_first, b_again = await cached(started.url, key_b), await cached(started.url, key_b)
+    assert a_again >= 384, "a tenant's own base-model prompt is warm"
+    assert (a_first, b_first) == (0, 0), "the same prompt from another tenant finds nothing cached"
+    assert b_again >= 384
 
 
 async def test_purge_all_resets_every_replica_after_an_update(

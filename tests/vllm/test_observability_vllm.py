@@ -9,8 +9,10 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.core.wire import replica_id
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -75,6 +77,7 @@ async def test_spans_and_metrics_after_real_traffic(
 
 async def test_the_canary_audits_active_logical_ids(
     make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
     redis_server: EmbeddedRedis,
     fixture_dir: Path,
     tmp_path: Path,
@@ -84,9 +87,10 @@ async def test_the_canary_audits_active_logical_ids(
     await kvgate_json("publish", "tenant-c", adapter, redis_url=redis_server.url, store=tmp_path / "store")
     async with make_gateway(canary_interval=0.5) as started:
         answer = await complete(http, started.url, "tenant-c", "a short request makes tenant-c active")
+        urls = {replica_id(r.url): r.url for r in vllm_replicas}  # metrics label replicas by URL
         labels = {
             "logical_id": "tenant-c",
-            "replica": answer.evidence["x-kvgate-replica"],
+            "replica": urls[answer.evidence["x-kvgate-replica"]],
             "verdict": "coherent",
         }
         registry = started.metrics.registry
