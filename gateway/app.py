@@ -238,7 +238,11 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
 
 async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
     sync = SnapshotSync(
-        app[TABLE], app[SNAPSHOT], interval=app[SETTINGS].reconcile_interval, reseeder=app[RESEEDER]
+        app[TABLE],
+        app[SNAPSHOT],
+        interval=app[SETTINGS].reconcile_interval,
+        reseeder=app[RESEEDER],
+        on_replica_hint=app[POOL].refresh_hinted,
     )
     await sync.reconcile()
     async with _background(sync.run()):

@@ -109,6 +109,7 @@ class AdapterLoader:
             await self._post_load(replica, version)
             log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
             await self.pool.refresh(replica)
+            await self._announce(replica)
             if not replica.serves(version.name, version.path):
                 listed = replica.listing.adapters.get(version.name)
                 raise NoEligibleReplica(
@@ -206,7 +207,16 @@ class AdapterLoader:
         replica.listing.adapters.pop(name, None)
         replica.last_used.pop(name, None)
         self.quarantine.clear(replica, name)
+        await self._announce(replica)
         return True
+
+    async def _announce(self, replica: Replica) -> None:
+        """Tell every kvgate this replica's adapters changed (its hint), without waiting for a poll."""
+        try:
+            await self.pool.record(self.table, replica)
+        except REDIS_DOWN as exc:
+            log.warning("could not announce %s's adapters (kvgates see them at their next poll): %s",
+                        replica.url, exc)  # fmt: skip
 
     async def _claim(self, replica: Replica, name: str, *, force: bool) -> bool:
         try:

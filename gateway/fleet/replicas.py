@@ -83,6 +83,7 @@ class ReplicaPool:
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root
+        self.record_ttl_ms = 10_000  # how long a recorded listing outlives the last kvgate polling it
 
     def get(self, url: str) -> Replica | None:
         return next((replica for replica in self.replicas if replica.url == url), None)
@@ -102,14 +103,25 @@ class ReplicaPool:
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(replica) for replica in self.replicas))
 
+    async def record(self, table: EpochTable, replica: Replica) -> None:
+        """Record what ``replica`` has loaded in the shared table; a change hints every kvgate to
+        refresh that replica at once (``refresh_hinted``)."""
+        await table.record_loaded(replica.url, replica.listing.adapters, self.record_ttl_ms)
+
+    async def refresh_hinted(self, url: str) -> None:
+        """Another kvgate saw this replica's adapters change (a load or an unload): look now."""
+        replica = self.get(url)
+        if replica is not None:
+            await self.refresh(replica)
+
     async def poll_forever(self, interval: float, table: EpochTable) -> None:
         """Refresh every replica, then record what each has loaded in the shared table (for status)."""
-        ttl_ms = int(max(interval * 10, 10) * 1000)
+        self.record_ttl_ms = int(max(interval * 10, 10) * 1000)
 
         async def step() -> None:
             await self.refresh_all()
             for replica in self.healthy():
-                await table.record_loaded(replica.url, replica.listing.adapters, ttl_ms)
+                await self.record(table, replica)
 
         def redis_down(exc: Exception) -> None:
             log.debug("could not record loaded adapters: %s", exc)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
@@ -78,14 +78,26 @@ class Snapshot:
         return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")
 
 
+ReplicaHint = Callable[[str], Awaitable[None]]
+LISTEN_RETRY_S = 0.5  # a dropped hint subscription is retried this soon, whatever the reconcile interval
+
+
 class SnapshotSync:
     def __init__(
-        self, table: EpochTable, snapshot: Snapshot, *, interval: float, reseeder: Reseeder | None = None
+        self,
+        table: EpochTable,
+        snapshot: Snapshot,
+        *,
+        interval: float,
+        reseeder: Reseeder | None = None,
+        on_replica_hint: ReplicaHint | None = None,
     ) -> None:
         self.table = table
         self.snapshot = snapshot
         self.interval = interval
         self.reseeder = reseeder
+        self.on_replica_hint = on_replica_hint
+        """Called with a replica's URL when some kvgate saw its loaded adapters change."""
         self._reading = asyncio.Lock()  # the listener and the periodic loop both reconcile: one at a time
 
     async def reconcile(self) -> None:
@@ -106,7 +118,7 @@ class SnapshotSync:
         await periodically(self.interval, self.reconcile, survive=REDIS_DOWN, on_error=self._dropped)
 
     async def _listen_forever(self) -> None:
-        await periodically(self.interval, self._listen, survive=REDIS_DOWN, on_error=self._dropped)
+        await periodically(LISTEN_RETRY_S, self._listen, survive=REDIS_DOWN, on_error=self._dropped)
 
     def _dropped(self, exc: Exception) -> None:
         if not self.snapshot.flushed:
@@ -126,6 +138,8 @@ class SnapshotSync:
                 hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
                 if not hint.startswith(keys.REPLICA_HINT_PREFIX):
                     self.snapshot.put(hint, await self.table.read_state(hint))
+                elif self.on_replica_hint is not None:
+                    await self.on_replica_hint(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
