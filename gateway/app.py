@@ -37,6 +37,7 @@ from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
+from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.epoch_table import EpochTable
@@ -58,6 +59,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TRACER = web.AppKey("tracer", Tracer)
 PURGER = web.AppKey("purger", PurgeAll)
 ADMIN = web.AppKey("admin", Admin)
+DRAIN = web.AppKey("drain", Drain)
 LEASES = web.AppKey("leases", Leases)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 ACTIVITY = web.AppKey("activity", dict[str, float])
@@ -117,6 +119,7 @@ def build_app(
     app[TABLE] = EpochTable(redis, tracer=app[TRACER])
     app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
+    app[DRAIN] = Drain()
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
     app.cleanup_ctx.append(_components)
@@ -130,7 +133,8 @@ def build_app(
 
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
-        return await app[PROXY].handle(request)
+        with app[DRAIN].request():
+            return await app[PROXY].handle(request)
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
         return list_models(app[SNAPSHOT], app[SETTINGS].base_model, app[AUTH].caller(request))
@@ -150,8 +154,9 @@ def build_app(
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
             "table": {"generation": snapshot.generation, **app[RESEEDER].health()},
+            "draining": app[DRAIN].draining,
         }
-        return web.json_response(body, status=200 if pool.healthy() else 503)
+        return web.json_response(body, status=200 if pool.healthy() and not app[DRAIN].draining else 503)
 
     def api_routes(target: web.Application) -> None:
         target.router.add_post("/v1/completions", proxy_handler)

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import ADMIN_LISTENER, build_app
+from gateway.app import ADMIN_LISTENER, DRAIN, build_app
 from gateway.cli_audit import cmd_audit
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
@@ -200,6 +200,7 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        await app[DRAIN].drain(settings.shutdown_timeout)  # /healthz 503 at once; running requests finish
 
 
 async def cmd_keys(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)
     """Seconds after which a retired version is unloaded even while kvgates still lease it (counted)."""
+    shutdown_timeout: float = Field(30.0, ge=0)
+    """Seconds requests still running on SIGTERM get to finish (new ones are refused, /healthz is 503)."""
     lease_ttl: float = Field(10.0, gt=0)
     """Seconds a kvgate's leases outlive its last heartbeat (heartbeat every quarter of it)."""
     gateway_id: str | None = None

@@ -72,6 +72,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "poll_interval": ("0.5", 0.5),
     "drain_grace": ("5", 5.0),
     "max_drain": ("50", 50.0),
+    "shutdown_timeout": ("12", 12.0),
     "lease_ttl": ("4", 4.0),
     "gateway_id": ("gw-east-1", "gw-east-1"),
     "max_adapters_per_replica": ("3", 3),

@@ -16,6 +16,7 @@
     │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
     │   └── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
+    ├── ShuttingDown                 503 service_unavailable    (this kvgate is draining: try another)
     ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
     │                                                            embedded one is owned by another kvgate)
     ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
@@ -131,6 +132,13 @@ class NoEligibleReplica(KvgateError):
 
 class VersionUnloading(NoEligibleReplica):
     """A kvgate is unloading the version from the chosen replica: no request may start on it there."""
+
+
+class ShuttingDown(KvgateError):
+    """This kvgate received SIGTERM: it finishes what runs and takes nothing new."""
+
+    status = 503
+    type = "service_unavailable"
 
 
 class TableUnavailable(KvgateError):
