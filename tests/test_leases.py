@@ -72,8 +72,8 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a(gateway: Gateway, publish: Any) -> None:
     state = StubState(chunks=15, chunk_delay=0.1)
+    v1 = await publish("tenant-42", b"v1")
     async with running(build_stub(state)) as stub, gateway([stub]) as url_a, gateway([stub]) as url_b:
-        v1 = await publish("tenant-42", b"v1")
         seen_while_streaming: list[tuple[str, bool]] = []
         async with client(url_b) as api:
             stream = await api.completions.create(model="tenant-42", prompt="p", max_tokens=15, stream=True)
