@@ -315,6 +315,6 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     if not interval:
         yield
         return
-    canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS])
+    canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE])
     async with _background(periodically(interval, canary.run_round)):
         yield

@@ -19,6 +19,7 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.core.errors import AuditError, KvgateError
 from gateway.fleet.backends import VllmDialect
+from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
 from gateway.proof.canary import Canary
 from gateway.serving import running
@@ -60,7 +61,8 @@ async def test_the_canary_logs_a_replica_it_cannot_audit_and_never_hides_a_bug(
 ) -> None:
     async with aiohttp.ClientSession() as session:
         pool = ReplicaPool([], VllmDialect(), session, base_with_root=False)
-    canary = Canary(Snapshot(), pool, {"t": 0.0}, Metrics())
+    metrics = Metrics()
+    canary = Canary(Snapshot(), pool, {"t": 0.0}, metrics, Quarantine(pool, metrics))
     canary.snapshot.flushed = False
     monkeypatch.setattr("time.monotonic", lambda: 1.0)
 

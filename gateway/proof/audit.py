@@ -83,15 +83,20 @@ class Verdict:
         return doc
 
 
-def judge(observations: Sequence[Observation], expected_digest: str | None = None) -> list[Verdict]:
-    """Verdicts for one round. The reference is ``expected_digest``, else the most common digest."""
+def judge(
+    observations: Sequence[Observation], expected_digest: str | None = None, fingerprint: Sample | None = None
+) -> list[Verdict]:
+    """Verdicts for one round. The reference is ``expected_digest``, else the most common digest;
+    ``fingerprint`` is the version's cold answer recorded earlier (the canary's, from its first load)."""
     digests = [o.digest for o in observations if o.digest]
     reference_digest = expected_digest or (Counter(digests).most_common(1)[0][0] if digests else None)
     reference = next((o for o in observations if o.digest == reference_digest), observations[0])
-    return [_judge_one(o, reference, reference_digest) for o in observations]
+    return [_judge_one(o, reference, reference_digest, fingerprint) for o in observations]
 
 
-def _judge_one(obs: Observation, reference: Observation, reference_digest: str | None) -> Verdict:
+def _judge_one(
+    obs: Observation, reference: Observation, reference_digest: str | None, fingerprint: Sample | None
+) -> Verdict:
     first_cold = obs.cold[0]
     spread = max((first_cold.max_logprob_diff(other) for other in obs.cold[1:]), default=0.0)
     tolerance = spread * TOLERANCE_MARGIN
@@ -104,6 +109,11 @@ def _judge_one(obs: Observation, reference: Observation, reference_digest: str |
         return verdict(NONDETERMINISTIC, "cold runs disagree with each other")
     if reference_digest and obs.digest and obs.digest != reference_digest:
         return verdict(MISMATCH, f"serves digest {obs.digest[:16]}, reference is {reference_digest[:16]}")
+    if fingerprint is not None and not first_cold.agrees_with(fingerprint, tolerance):
+        diff = first_cold.max_logprob_diff(fingerprint)
+        return verdict(
+            MISMATCH, f"cold answer differs from the version's fingerprint: max |dlogprob| {diff:.4f}"
+        )
     if obs is not reference and not first_cold.agrees_with(reference.cold[0], tolerance):
         return verdict(MISMATCH, f"cold answer differs from reference replica {reference.replica}")
     for warm in obs.warm:
@@ -173,7 +183,7 @@ class DirectTarget:
     ) -> Observation:
         warm, cold = await warm_and_cold(http, replica, self.model, prompt, colds)
         root = (await fetch_model_list(http, replica)).adapters.get(self.model)
-        return Observation(replica, self.model, _digest_of(root), root, None, warm, cold)
+        return Observation(replica, self.model, observed_digest(root), root, None, warm, cold)
 
 
 @dataclass(frozen=True)
@@ -306,8 +316,8 @@ async def run_shell(command: str) -> None:
         raise AuditError(f"update command failed with exit code {process.returncode}: {command}")
 
 
-def _digest_of(root: str | None) -> str | None:
-    """The artifact digest of a replica's loaded root, when this machine can read it."""
+def observed_digest(root: str | None) -> str | None:
+    """The artifact digest of the bytes at a replica's loaded root, when this machine can read it."""
     if not root:
         return None
     try:

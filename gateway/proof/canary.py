@@ -17,17 +17,22 @@ from gateway.core.errors import KvgateError
 from gateway.core.model import Target
 from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
+from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
 from gateway.proof.audit import (
     COHERENT,
+    INCOHERENT,
+    MISMATCH,
     DirectTarget,
     Observation,
     Verdict,
     cannot_audit,
     judge,
+    observed_digest,
     size_probe,
     warm_and_cold,
 )
+from gateway.proof.experiment import Sample
 from gateway.proof.probe import CannotAudit
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry.metrics import Metrics
@@ -43,13 +48,17 @@ class Canary:
         pool: ReplicaPool,
         activity: dict[str, float],
         metrics: Metrics,
+        quarantine: Quarantine,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
         self.activity = activity
         self.metrics = metrics
+        self.quarantine = quarantine
         self._probes: dict[str, str] = {}
         """Base identity -> the probe sized for its replicas (their context and tokenizer)."""
+        self._fingerprints: dict[str, Sample] = {}
+        """Versioned name -> its cold answer to the probe, taken when the canary first saw it loaded."""
 
     async def run_round(self) -> None:
         if self.snapshot.flushed:
@@ -85,8 +94,17 @@ class Canary:
             url, name = replica.url, version.name
             warm, cold = await warm_and_cold(self.pool.session, url, name, prompt, 2, warm_salt=salt)
             root = replica.listing.adapters.get(name)
-            observations.append(Observation(url, name, version.digest, root, None, warm, cold))
-        self._record(logical_id, judge(observations, version.digest))
+            observations.append(Observation(url, name, observed_digest(root), root, None, warm, cold))
+        fingerprint = self._fingerprint(version.name, version.digest, observations)
+        self._record(logical_id, judge(observations, version.digest, fingerprint))
+
+    def _fingerprint(self, name: str, digest: str, observations: list[Observation]) -> Sample | None:
+        """The version's fingerprint: the first cold answer seen from a replica whose bytes match."""
+        if name not in self._fingerprints:
+            first = next((o for o in observations if o.digest == digest), None)
+            if first is not None:
+                self._fingerprints[name] = first.cold[0]
+        return self._fingerprints.get(name)
 
     async def _probe(self, base: str, target: DirectTarget) -> str:
         if base not in self._probes:
@@ -100,4 +118,10 @@ class Canary:
             if verdict.verdict != COHERENT:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail
+                )
+            replica = self.pool.get(verdict.replica)
+            if verdict.verdict in (MISMATCH, INCOHERENT) and replica is not None:
+                observed = verdict.observation
+                self.quarantine.add(
+                    replica, observed.served, f"canary: {verdict.verdict}", observed.loaded_root or ""
                 )

@@ -1,0 +1,251 @@
+"""A fleet of kvgates on one Redis in front of the two real vLLM replicas: leases hold what another
+kvgate streams on, a dead kvgate's leases expire, out-of-band loads are quarantined and repaired, and
+the canary catches a replica serving other bytes under a versioned name.
+
+A is a kvgate in this process (``make_gateway``); B is ``kvgate serve`` as a child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.config import flag
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
+from gateway.fleet.backends import fetch_model_list
+from gateway.proof.experiment import complete
+from gateway.serving import free_port
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.vllm_process import VllmProcess
+from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
+FAST = {"reconcile_interval": 0.2, "poll_interval": 0.2, "drain_grace": 0.3, "lease_ttl": 2.0}
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not within {within} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+@asynccontextmanager
+async def kvgate_process(
+    replicas: list[VllmProcess], redis_url: str, store: Path, http: aiohttp.ClientSession
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    port = free_port()
+    fast = [arg for name, value in FAST.items() for arg in (flag(name), str(value))]
+    urls = [arg for r in replicas for arg in ("--replica", r.url)]
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--redis-url", redis_url,
+               "--store", str(store), *urls, *fast]  # fmt: skip
+    env = {**os.environ, "KVGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+    process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    async def healthy() -> bool:
+        try:
+            async with http.get(f"{url}/healthz") as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    try:
+        await until(healthy, "kvgate B answers /healthz")
+        yield url, process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def long_stream(
+    http: aiohttp.ClientSession, url: str, model: str, replica: VllmProcess, started: asyncio.Event
+) -> tuple[int, bool]:
+    """A streamed completion of 400 tokens through ``url`` pinned to ``replica``: (chunks, broke)."""
+    body = {"model": model, "prompt": "Count the boats:", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+    chunks, broke = 0, False
+    async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                broke = broke or b'"error"' in line
+                chunks += 1
+                started.set()
+    return chunks, broke
+
+
+async def publish(logical_id: str, adapter: Path, redis_server: EmbeddedRedis, store: Path) -> dict[str, str]:
+    return await kvgate_json("publish", logical_id, str(adapter), redis_url=redis_server.url, store=store)
+
+
+def swap_bytes(path: Path, source: Path) -> dict[str, bytes]:
+    """Write ``source``'s files over the store directory ``path`` (as a divergent volume would show)."""
+    saved = {f.name: f.read_bytes() for f in path.iterdir()}
+    for name in saved:
+        (path / name).chmod(0o644)
+        if (source / name).is_file():
+            (path / name).write_bytes((source / name).read_bytes())
+    return saved
+
+
+def swap_back(path: Path, saved: dict[str, bytes]) -> None:
+    for name, data in saved.items():
+        (path / name).write_bytes(data)
+        (path / name).chmod(0o444)
+
+
+async def loaded(http: aiohttp.ClientSession, replica: VllmProcess) -> dict[str, str]:
+    return (await fetch_model_list(http, replica.url)).adapters
+
+
+async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_with_b(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    store, redis_url, replica = tmp_path / "store", redis_server.url, vllm_replicas[0]
+    v1 = await publish("fleet-a", fixture_dir / "adapters" / "v1", redis_server, store)
+    async with make_gateway(**FAST), kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, b):
+        started = asyncio.Event()
+        stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
+        await asyncio.wait_for(started.wait(), 60)
+        await publish("fleet-a", fixture_dir / "adapters" / "v2", redis_server, store)
+        await asyncio.sleep(1.0)  # A's snapshot retires v1 and its sweeper looks at it several times
+        assert not stream.done(), "the stream outlasts A's sweeps (else this test proves nothing)"
+        chunks, broke = await stream
+        assert (chunks, broke) == (400, False), "B's stream ran to its end while A retired v1"
+
+        second = asyncio.Event()  # now B streams on v2, v1 comes back, and B dies mid-stream
+        stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, second))
+        await asyncio.wait_for(second.wait(), 60)
+        v2_name = next(
+            name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
+        )
+        await publish("fleet-a", fixture_dir / "adapters" / "v1", redis_server, store)
+        await asyncio.sleep(1.0)
+        assert not stream.done(), "B still streams on v2"
+        assert v2_name in await loaded(http, replica), "B's lease holds v2 while B lives"
+        b.send_signal(signal.SIGKILL)
+        await b.wait()
+        stream.cancel()
+
+        async def v2_gone() -> bool:
+            return v2_name not in await loaded(http, replica)
+
+        await until(v2_gone, "A unloads v2 once the killed B's lease expired (lease_ttl 2 s)")
+
+
+async def test_an_eviction_skips_an_adapter_b_streams_on(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    store, redis_url, replica = tmp_path / "store", redis_server.url, vllm_replicas[1]
+    a = await publish("budget-a", fixture_dir / "adapters" / "v1", redis_server, store)
+    await publish("budget-b", fixture_dir / "adapters" / "v2", redis_server, store)
+    async with (
+        make_gateway(**FAST, max_adapters_per_replica=1) as gateway_a,
+        kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, _),
+    ):
+        started = asyncio.Event()
+        stream = asyncio.create_task(long_stream(http, url_b, "budget-a", replica, started))
+        await asyncio.wait_for(started.wait(), 60)
+        headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        await complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)  # budget full
+        assert a["name"] in await loaded(http, replica), "A did not evict the adapter B streams on"
+        assert await stream == (400, False)
+
+
+async def test_an_out_of_band_load_is_quarantined_reported_and_repaired(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    store, replica = tmp_path / "store", vllm_replicas[0]
+    v1 = await publish("oob", fixture_dir / "adapters" / "v1", redis_server, store)
+    by_hand = tmp_path / "by-hand"
+    shutil.copytree(fixture_dir / "adapters" / "v2", by_hand)  # other bytes, under kvgate's versioned name
+    await post_json(
+        http, f"{replica.url}/v1/load_lora_adapter", {"lora_name": v1["name"], "lora_path": str(by_hand)}
+    )
+    async with make_gateway(**FAST) as gateway:
+
+        async def repaired() -> bool:
+            return (await loaded(http, replica)).get(v1["name"]) != str(by_hand)
+
+        await until(repaired, "the foreign copy is unloaded")
+        pin = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        answer = await complete(http, gateway.url, "oob", "p", max_tokens=1, headers=pin)
+        counted = gateway.metrics.registry.get_sample_value(
+            "kvgate_quarantines_total", {"replica": replica.url, "reason": "foreign-root"}
+        )
+    assert counted == 1, "quarantined once, as foreign-root"
+    assert answer.evidence["x-kvgate-version"] == v1["name"]
+    assert (await loaded(http, replica))[v1["name"]] == v1["path"], "reloaded from the store"
+
+
+async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versioned_name(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    fixture_dir: Path,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    store = tmp_path / "store"
+    v1 = await publish("canary", fixture_dir / "adapters" / "v1", redis_server, store)
+    good, bad = vllm_replicas
+    async with make_gateway(**FAST, canary_interval=0.5) as gateway:
+        registry = gateway.metrics.registry
+
+        def verdicts(replica: VllmProcess, verdict: str) -> float:
+            labels = {"logical_id": "canary", "replica": replica.url, "verdict": verdict}
+            return registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0
+
+        pin = {PIN_HEADER: good.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        await complete(
+            http, gateway.url, "canary", "p", max_tokens=1, headers=pin
+        )  # loads v1 on the good one
+
+        async def fingerprinted() -> bool:
+            return verdicts(good, "coherent") >= 1
+
+        await until(fingerprinted, "the canary fingerprints v1 from the good replica", within=120)
+        path = Path(v1["path"])  # other bytes at the very path the bad replica loads from, then put back
+        saved = swap_bytes(path, fixture_dir / "adapters" / "v2")
+        try:
+            await complete(http, gateway.url, "canary", "p", max_tokens=1,
+                           headers={PIN_HEADER: bad.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN})  # fmt: skip
+        finally:
+            swap_back(path, saved)
+
+        async def caught() -> bool:
+            return verdicts(bad, "replica-mismatch") >= 1
+
+        await until(caught, "the canary says replica-mismatch for the bad replica", within=120)
+        async with http.get(f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}) as r:
+            quarantined = (await r.json())["quarantined"]
+    assert verdicts(good, "replica-mismatch") == 0
+    assert {(f["replica"], f["reason"]) for f in quarantined} <= {(bad.url, "canary: replica-mismatch")}
