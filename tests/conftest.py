@@ -5,8 +5,9 @@ The real-vLLM fixtures live in ``tests/vllm/conftest.py``; they start two replic
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
+from gateway.adapters.store import AdapterStore
+from gateway.core.identity import versioned_name
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 
@@ -67,3 +70,39 @@ def make_adapter(tmp_path: Path) -> MakeAdapter:
         return root
 
     return make
+
+
+Check = Callable[[], "bool | Awaitable[bool]"]
+
+
+async def eventually(check: Check, what: str, within: float = 10.0) -> None:
+    """Poll ``check`` (plain or async) until it holds; fail naming ``what`` if not within ``within`` s."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        held = check()
+        if held if isinstance(held, bool) else await held:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not within {within} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> AdapterStore:
+    return AdapterStore(tmp_path / "store")
+
+
+Publish = Callable[[str, bytes], Awaitable[str]]
+
+
+@pytest.fixture
+def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -> Publish:
+    """Publish ``weights`` as the current version of a logical ID (for base ``base``); the versioned name."""
+
+    async def do(logical_id: str, weights: bytes) -> str:
+        artifact = store.ingest(make_adapter(weights))
+        name = versioned_name(logical_id, artifact.digest)
+        await table.publish(logical_id, artifact.digest, name, str(artifact.path), "base")
+        return name
+
+    return do

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -13,14 +13,7 @@ from gateway.core.errors import BadRequest, CallerNotFound, InvalidAdapter, Keys
 from gateway.serving import free_port
 from gateway.table import keys
 from gateway.table.callers import Callers, CallerSync, CallerTable, key_hash
-
-
-async def eventually(condition: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.02)
+from tests.conftest import eventually
 
 
 @contextlib.asynccontextmanager

@@ -22,10 +22,9 @@ import pytest
 from gateway.core.errors import TableUnavailable
 from gateway.serving import free_port, running
 from gateway.table.redis_server import EmbeddedRedis, find_redis_server, redis_servers_in
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_cli import kvgate, ok
-from tests.test_proxy import eventually
 
 
 def alive(pid: int) -> bool:

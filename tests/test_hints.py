@@ -3,14 +3,11 @@ publish, a bump, and another kvgate's load or unload through pub/sub (stub repli
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
-import pytest
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
@@ -19,19 +16,11 @@ from gateway.config import Settings
 from gateway.core.identity import versioned_name
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 
 TOKEN = "admin-token"
 SLOW = 600.0  # seconds: no periodic read or poll happens during a test
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_publish_bump_load_and_unload_reach_every_kvgate_by_hints(
@@ -68,20 +57,20 @@ async def test_publish_bump_load_and_unload_reach_every_kvgate_by_hints(
                 return set((await status_b())["replicas"][0]["adapters"])
 
             v1 = await publish(b"v1")
-            await until(lambda: b_serves(name=v1, epoch=1), "B serves the publish")
+            await eventually(lambda: b_serves(name=v1, epoch=1), "B serves the publish")
             await table.bump("tenant-42")
-            await until(lambda: b_serves(name=v1, epoch=2), "B has the bump")
+            await eventually(lambda: b_serves(name=v1, epoch=2), "B has the bump")
             async with openai.AsyncOpenAI(base_url=f"{url_a}/v1", api_key="unused", max_retries=0) as api:
                 await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)  # A loads v1
 
             async def b_sees(names: set[str]) -> bool:
                 return await b_sees_loaded() == names
 
-            await until(lambda: b_sees({v1}), "B sees A's load")
+            await eventually(lambda: b_sees({v1}), "B sees A's load")
             await publish(b"v2")
             async with openai.AsyncOpenAI(base_url=f"{url_a}/v1", api_key="unused", max_retries=0) as api:
                 raw = await api.completions.with_raw_response.create(
                     model="tenant-42", prompt="p", max_tokens=1
                 )
             v2 = raw.headers["x-kvgate-version"]
-            await until(lambda: b_sees({v2}), "B sees A's unload (budget 1) and load")
+            await eventually(lambda: b_sees({v2}), "B sees A's unload (budget 1) and load")

@@ -7,7 +7,6 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,30 +17,12 @@ from redis.asyncio import Redis
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.core.identity import versioned_name
 from gateway.serving import free_port, running
-from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import MakeAdapter
+from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 
 Gateway = Callable[..., AbstractAsyncContextManager[str]]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> AdapterStore:
-    return AdapterStore(tmp_path / "store")
-
-
-@pytest.fixture
-def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -> Callable[..., Any]:
-    async def do(logical_id: str, weights: bytes) -> str:
-        artifact = store.ingest(make_adapter(weights))
-        name = versioned_name(logical_id, artifact.digest)
-        await table.publish(logical_id, artifact.digest, name, str(artifact.path), "base")
-        return name
-
-    return do
 
 
 @pytest.fixture
@@ -56,14 +37,6 @@ def gateway(redis: Redis, store: AdapterStore) -> Gateway:
             yield url
 
     return start
-
-
-async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -85,7 +58,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a(gateway: Gat
         assert all(loaded for _, loaded in seen_while_streaming), "v1 stayed loaded while B streamed on it"
         async with client(url_a) as api:
             await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
-        await until(lambda: v1 not in state.adapters, "v1 unloaded once B's lease was let go")
+        await eventually(lambda: v1 not in state.adapters, "v1 unloaded once B's lease was let go")
     assert v2 in state.adapters
 
 
@@ -134,7 +107,7 @@ async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
                 assert v1 in state.adapters, "B's lease holds v1 while B lives"
                 b.send_signal(signal.SIGKILL)
                 await b.wait()
-                await until(lambda: v1 not in state.adapters, "v1 unloaded once B's lease expired")
+                await eventually(lambda: v1 not in state.adapters, "v1 unloaded once B's lease expired")
         finally:
             if b.returncode is None:
                 b.kill()

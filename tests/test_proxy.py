@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,30 +16,13 @@ from redis.asyncio import Redis
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.core.identity import versioned_name
 from gateway.core.wire import replica_id
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
+from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 
 Gateway = Callable[..., AbstractAsyncContextManager[str]]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> AdapterStore:
-    return AdapterStore(tmp_path / "store")
-
-
-@pytest.fixture
-def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -> Callable[..., Any]:
-    async def do(logical_id: str, weights: bytes) -> str:
-        artifact = store.ingest(make_adapter(weights))
-        name = versioned_name(logical_id, artifact.digest)
-        await table.publish(logical_id, artifact.digest, name, str(artifact.path), "base")
-        return name
-
-    return do
 
 
 @pytest.fixture
@@ -74,15 +56,6 @@ async def stubs(count: int) -> AsyncIterator[list[tuple[str, StubState]]]:
 
 
 ADMIN_TOKEN = "test-admin-token"
-
-
-async def eventually(condition: Callable[[], Awaitable[bool]], what: str, within: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` if it does not within ``within`` seconds."""
-    deadline = asyncio.get_running_loop().time() + within
-    while not await condition():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def snapshot_has(url: str, logical_id: str, **fields: object) -> bool:
@@ -139,13 +112,6 @@ async def test_streams_carry_the_logical_id_in_every_chunk(gateway: Gateway, pub
     assert "".join(c.choices[0].text for c in text_chunks) == "t0t1t2t3"
 
 
-def _true_when(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
-    async def condition() -> bool:
-        return check()
-
-    return condition
-
-
 async def test_new_version_replaces_old_and_old_is_unloaded(gateway: Gateway, publish: Any) -> None:
     async with stubs(1) as backends:
         (stub_url, stub) = backends[0]
@@ -160,7 +126,7 @@ async def test_new_version_replaces_old_and_old_is_unloaded(gateway: Gateway, pu
                 await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
                 for _ in range(3)
             ]
-            await eventually(_true_when(lambda: list(stub.adapters) == [v2]), "v1 unloaded after the drain")
+            await eventually(lambda: list(stub.adapters) == [v2], "v1 unloaded after the drain")
     assert first.headers["x-kvgate-version"] == v1
     assert {r.headers["x-kvgate-version"] for r in after} == {v2}
     assert {r.headers["x-kvgate-epoch"] for r in after} == {"2"}
@@ -310,7 +276,7 @@ async def test_purge_all_resets_every_replica_and_retries_while_busy(
         async with gateway([u for u, _ in backends], invalidation="purge-all") as url, client(url) as api:
             await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
             await publish("tenant-42", b"v2")
-            await eventually(_true_when(lambda: all(state.resets for _, state in backends)), "both purged")
+            await eventually(lambda: all(state.resets for _, state in backends), "both purged")
     assert [state.resets for _, state in backends] == [1, 1]
     assert backends[0][1].busy_resets == 0
     assert "cache_salt" not in backends[0][1].received[-1], "purge-all pools send no cache namespace"

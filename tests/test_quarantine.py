@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +23,10 @@ from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 
 TOKEN = "admin-token"
-
-
-async def until(check: Callable[[], Any], what: str, within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_a_foreign_root_is_quarantined_reported_and_repaired_once_unleased(
@@ -71,7 +62,7 @@ async def test_a_foreign_root_is_quarantined_reported_and_repaired_once_unleased
             async def reported() -> bool:
                 return await quarantined() == {(v1, "foreign-root"), ("tenant-42", "unversioned")}
 
-            await until(reported, "both findings reported")
+            await eventually(reported, "both findings reported")
             async with http.get(f"{url}/metrics") as response:
                 metrics = await response.text()
             assert 'kvgate_quarantines_total{reason="foreign-root",replica="' in metrics
@@ -88,7 +79,7 @@ async def test_a_foreign_root_is_quarantined_reported_and_repaired_once_unleased
             async def repaired() -> bool:
                 return await quarantined() == {("tenant-42", "unversioned")}
 
-            await until(repaired, "the foreign-root copy repaired (unloaded)")
+            await eventually(repaired, "the foreign-root copy repaired (unloaded)")
             async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
                 await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
     assert state.adapters[v1] == str(artifact.path), "reloaded from the store"

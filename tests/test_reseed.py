@@ -21,9 +21,8 @@ from gateway.core.model import Change
 from gateway.serving import running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
-from tests.test_proxy import eventually
 
 BODY = {"prompt": "p", "max_tokens": 1}
 

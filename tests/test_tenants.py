@@ -25,8 +25,8 @@ from gateway.core.wire import replica_id
 from gateway.serving import running
 from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
-from tests.test_proxy import ADMIN_TOKEN, eventually, stubs
+from tests.conftest import MakeAdapter, eventually
+from tests.test_proxy import ADMIN_TOKEN, stubs
 
 
 @dataclass(frozen=True)

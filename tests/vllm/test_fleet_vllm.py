@@ -12,7 +12,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -26,18 +26,11 @@ from gateway.proof.experiment import complete
 from gateway.serving import free_port
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
+from tests.conftest import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 FAST = {"reconcile_interval": 0.2, "poll_interval": 0.2, "drain_grace": 0.3, "lease_ttl": 2.0}
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.1)
 
 
 @asynccontextmanager
@@ -61,7 +54,7 @@ async def kvgate_process(
             return False
 
     try:
-        await until(healthy, "kvgate B answers /healthz")
+        await eventually(healthy, "kvgate B answers /healthz", within=60)
         yield url, process
     finally:
         if process.returncode is None:
@@ -148,7 +141,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
         async def v2_gone() -> bool:
             return v2_name not in await loaded(http, replica)
 
-        await until(v2_gone, "A unloads v2 once the killed B's lease expired (lease_ttl 2 s)")
+        await eventually(v2_gone, "A unloads v2 once the killed B's lease expired (lease_ttl 2 s)", within=60)
 
 
 async def test_an_eviction_skips_an_adapter_b_streams_on(
@@ -195,7 +188,7 @@ async def test_an_out_of_band_load_is_quarantined_reported_and_repaired(
         async def repaired() -> bool:
             return (await loaded(http, replica)).get(v1["name"]) != str(by_hand)
 
-        await until(repaired, "the foreign copy is unloaded")
+        await eventually(repaired, "the foreign copy is unloaded", within=60)
         pin = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
         answer = await complete(http, gateway.url, "oob", "p", max_tokens=1, headers=pin)
         counted = gateway.metrics.registry.get_sample_value(
@@ -232,7 +225,7 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
         async def fingerprinted() -> bool:
             return verdicts(good, "coherent") >= 1
 
-        await until(fingerprinted, "the canary fingerprints v1 from the good replica", within=120)
+        await eventually(fingerprinted, "the canary fingerprints v1 from the good replica", within=120)
         path = Path(v1["path"])  # other bytes at the very path the bad replica loads from, then put back
         saved = swap_bytes(path, fixture_dir / "adapters" / "v2")
         try:
@@ -244,7 +237,7 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
         async def caught() -> bool:
             return verdicts(bad, "replica-mismatch") >= 1
 
-        await until(caught, "the canary says replica-mismatch for the bad replica", within=120)
+        await eventually(caught, "the canary says replica-mismatch for the bad replica", within=120)
         async with http.get(f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}) as r:
             quarantined = (await r.json())["quarantined"]
     assert verdicts(good, "replica-mismatch") == 0
