@@ -1,11 +1,15 @@
 """A fast stub that follows vLLM's documented API, for proxy edge cases and load tests.
 
 Never a stand-in for vLLM in the integration tests (those run the real server). It records the
-last request body it received so tests can see exactly what kvgate forwarded.
+last request body it received so tests can see exactly what kvgate forwarded. It can answer at an
+LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streaming answer) and counts
+completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
+``GET /stub/stats`` reports the counters (for load tests that run the stub as its own process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,11 @@ class StubState:
     resets: int = 0
     chunks: int = 4
     break_stream_after: int | None = None
+    chunk_delay: float = 0.0  # seconds before each SSE chunk
+    reply_delay: float = 0.0  # seconds before a non-streaming answer
+    completions: int = 0  # completion requests received (never trimmed, unlike ``received``)
+    cancelled: int = 0  # completions whose caller left (connection closed) before the end
+    finished: int = 0  # completions answered to the end
 
 
 STUB = web.AppKey("stub", StubState)
@@ -70,12 +79,25 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
+    state.completions += 1
+    try:
+        response = await _generate(request, state, body)
+    except (asyncio.CancelledError, ConnectionResetError):
+        state.cancelled += 1  # the caller left: a replica stops the generation here
+        raise
+    state.finished += 1
+    return response
+
+
+async def _generate(request: web.Request, state: StubState, body: dict[str, Any]) -> web.StreamResponse:
     model = body["model"]
     if model != state.base and model not in state.adapters:
         msg = f"The model `{model}` does not exist."
         return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
     chat = request.path.endswith("chat/completions")
     if not body.get("stream"):
+        if state.reply_delay:
+            await asyncio.sleep(state.reply_delay)
         choice = {"index": 0, "finish_reason": "length"}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         return web.json_response(
@@ -90,6 +112,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
             assert request.transport is not None
             request.transport.close()
             return response
+        if state.chunk_delay:
+            await asyncio.sleep(state.chunk_delay)
         delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
         chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                  "model": model, "choices": [{"index": 0, **delta, "finish_reason": None}]}  # fmt: skip
@@ -108,6 +132,12 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": True})
 
 
+async def _stats(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    counts = {"completions": state.completions, "cancelled": state.cancelled, "finished": state.finished}
+    return web.json_response(counts)
+
+
 def build_stub(state: StubState) -> web.Application:
     app = web.Application()
     app[STUB] = state
@@ -118,4 +148,5 @@ def build_stub(state: StubState) -> web.Application:
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
+    app.router.add_get("/stub/stats", _stats)
     return app
