@@ -73,6 +73,20 @@ class Settings(BaseSettings):
     """Seconds to connect to a replica (in ``kvgate audit``: to each audited server)."""
     read_timeout: float = Field(600.0, gt=0)
     """Seconds to wait for each read from a replica (in ``kvgate audit``: from each audited server)."""
+    max_connections_per_replica: int = Field(2048, ge=0)
+    """Requests kvgate runs at once on one replica (a stream holds its connection to the end); 0: no limit."""
+    pool_wait_timeout: float = Field(10.0, gt=0)
+    """Seconds a request waits for a free connection to its replica (at that limit); then 503 replica_busy."""
+    header_timeout: float = Field(10.0, gt=0)
+    """Seconds a client has to send a request's line and headers (counted from connecting, or from the
+    request's first byte on a kept-alive connection); then 408 and the connection is closed."""
+    body_timeout: float = Field(60.0, gt=0)
+    """Seconds a client has to send a request's whole body once its headers are in; then 408 and closed."""
+    keepalive_timeout: float = Field(60.0, gt=0)
+    """Seconds an idle kept-alive client connection stays open between requests."""
+    max_connections_per_client: int = Field(1024, ge=0)
+    """Open connections one client address may hold; more are answered 429 and closed (0: no limit).
+    Behind a proxy, every client has the proxy's address: raise it, or 0."""
     load_timeout: float = Field(120.0, gt=0)
     """Seconds an adapter load may take (also the wait for another kvgate's load of it)."""
     lock_ttl: float = Field(150.0, gt=0)
