@@ -5,13 +5,13 @@ Processes on loopback (127.0.0.1 only): two stub replicas that answer at an LLM'
 generations whose caller left), ``kvgate serve`` with its embedded Redis and one published adapter, and
 the load generator here. Phases, in order:
 
-a. **streams**: ``--streams`` concurrent streams of ``--chunks`` chunks (about 8 s each): errors, and
-   kvgate's RSS and open file descriptors before, at peak and after.
+a. **streams**: ``--waves`` waves of ``--streams`` concurrent streams of ``--chunks`` chunks (about
+   8 s each): errors, and kvgate's RSS and open file descriptors before, at each wave's peak and after.
 b. **aborts**: one client opens streams and closes each after its first event, ``--abort-rate`` a
    second for ``--abort-seconds``, while another client runs normal requests (``--workers`` at a
    time): the other client's errors, replicas seen unhealthy (``/kvgate/status`` every 0.1 s), retries
-   (``/metrics``), duplicate upstream requests (requests the stubs received beyond those sent) and
-   generations cancelled at the stubs.
+   (``/metrics``), duplicate upstream requests (each request has its own prompt; the stubs count them)
+   and generations cancelled at the stubs.
 c. **slowloris**: ``--slowloris`` connections each send a request line, then one header byte a second:
    how many kvgate closes within the header deadline (timed from each connection's connect), and normal
    requests meanwhile (errors, latency against the same client just before the attack).
@@ -147,8 +147,8 @@ async def metric(http: aiohttp.ClientSession, url: str, prefix: str) -> float:
 # --- clients ----------------------------------------------------------------------------------------
 
 
-def body(stream: bool) -> dict[str, Any]:
-    return {"model": LOGICAL_ID, "prompt": "The quick brown fox", "max_tokens": 32, "stream": stream}
+def body(stream: bool, prompt: str = "The quick brown fox") -> dict[str, Any]:
+    return {"model": LOGICAL_ID, "prompt": prompt, "max_tokens": 32, "stream": stream}
 
 
 async def one_stream(http: aiohttp.ClientSession, url: str, chunks: int) -> str:
@@ -164,10 +164,10 @@ async def one_stream(http: aiohttp.ClientSession, url: str, chunks: int) -> str:
     return "ok" if complete and '"error"' not in text else "broken stream"
 
 
-async def one_request(http: aiohttp.ClientSession, url: str) -> tuple[str, float]:
+async def one_request(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[str, float]:
     started = time.perf_counter()
     try:
-        async with http.post(f"{url}/v1/completions", json=body(False)) as response:
+        async with http.post(f"{url}/v1/completions", json=body(False, prompt)) as response:
             await response.read()
             outcome = "ok" if response.status == 200 else f"HTTP {response.status}"
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -175,15 +175,18 @@ async def one_request(http: aiohttp.ClientSession, url: str) -> tuple[str, float
     return outcome, time.perf_counter() - started
 
 
-async def normal_traffic(url: str, workers: int, until: Callable[[], bool]) -> list[tuple[str, float]]:
-    """Non-streaming requests from ``workers`` loops, each on its own connection, until ``until()``."""
+async def normal_traffic(
+    url: str, workers: int, until: Callable[[], bool], name: str = "normal"
+) -> list[tuple[str, float]]:
+    """Non-streaming requests from ``workers`` loops until ``until()``; prompts ``{name}-{n}``, unique."""
     done: list[tuple[str, float]] = []
     timeout = aiohttp.ClientTimeout(total=30)
+    sent = iter(range(1 << 62))
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
         async def worker() -> None:
             while not until():
-                done.append(await one_request(http, url))
+                done.append(await one_request(http, url, f"{name}-{next(sent)}"))
 
         await asyncio.gather(*(worker() for _ in range(workers)))
     return done
@@ -205,41 +208,46 @@ def summarize_requests(done: list[tuple[str, float]]) -> Results:
 
 
 async def phase_streams(url: str, kvgate: Child, stubs: list[str], args: argparse.Namespace) -> Results:
+    """``--waves`` waves of ``--streams`` concurrent streams: a second wave shows whether memory grows."""
     pid = kvgate.process.pid
     timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+    async with aiohttp.ClientSession() as http:
         before = await stub_counts(http, stubs)
-        rss_before, fds_before = rss_mb(pid), open_fds(pid)
-        started = time.perf_counter()
-        async with Sampler(pid) as sampler:
-            outcomes = await asyncio.gather(
-                *(one_stream(http, url, args.chunks) for _ in range(args.streams))
-            )
-        wall = time.perf_counter() - started
-        rss_end = rss_mb(pid)
-        await asyncio.sleep(3.0)  # closed connections released, caches settled
+    rss_before, fds_before = rss_mb(pid), open_fds(pid)
+    outcomes: Counter[str] = Counter()
+    waves: list[Results] = []
+    for _ in range(args.waves):
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            started = time.perf_counter()
+            async with Sampler(pid) as sampler:
+                wave = await asyncio.gather(
+                    *(one_stream(http, url, args.chunks) for _ in range(args.streams))
+                )
+            wall = time.perf_counter() - started
+        outcomes.update(wave)
+        waves.append({"wall_s": wall, "rss_peak_mb": sampler.rss_peak, "fds_peak": sampler.fds_peak,
+                      "rss_end_mb": rss_mb(pid)})  # fmt: skip
+    await asyncio.sleep(3.0)  # the clients' connections are closed; kvgate keeps its upstream pool
+    async with aiohttp.ClientSession() as http:
         after = await stub_counts(http, stubs)
-    counted = Counter(outcomes)
     return {
-        "streams": args.streams,
-        "errors": args.streams - counted["ok"],
-        "outcomes": dict(counted),
-        "wall_s": wall,
+        "streams": args.streams * args.waves,
+        "errors": args.streams * args.waves - outcomes["ok"],
+        "outcomes": dict(outcomes),
+        "waves": waves,
         "rss_before_mb": rss_before,
-        "rss_peak_mb": sampler.rss_peak,
-        "rss_end_mb": rss_end,
         "rss_after_mb": rss_mb(pid),
         "fds_before": fds_before,
-        "fds_peak": sampler.fds_peak,
         "fds_after": open_fds(pid),
         "upstream_requests": after["completions"] - before["completions"],
+        "cancelled_upstream": after["cancelled"] - before["cancelled"],
     }
 
 
-async def abort_once(http: aiohttp.ClientSession, url: str) -> str:
+async def abort_once(http: aiohttp.ClientSession, url: str, prompt: str) -> str:
     try:
-        response = await http.post(f"{url}/v1/completions", json=body(True))
+        response = await http.post(f"{url}/v1/completions", json=body(True, prompt))
         if response.status != 200:
             response.release()
             return f"HTTP {response.status}"
@@ -273,23 +281,30 @@ async def phase_aborts(url: str, stubs: list[str], args: argparse.Namespace) -> 
         stop = asyncio.Event()
         watcher = asyncio.ensure_future(watch_health(http, url, stop))
         end = time.monotonic() + args.abort_seconds
-        other = asyncio.ensure_future(normal_traffic(url, args.workers, lambda: time.monotonic() >= end))
+        other = asyncio.ensure_future(
+            normal_traffic(url, args.workers, lambda: time.monotonic() >= end, name="other")
+        )
         aborts: list[asyncio.Future[str]] = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as aborter:
             while time.monotonic() < end:
-                aborts.append(asyncio.ensure_future(abort_once(aborter, url)))
+                prompt = f"abort-{len(aborts)}"
+                aborts.append(asyncio.ensure_future(abort_once(aborter, url, prompt)))
                 await asyncio.sleep(1 / args.abort_rate)
             abort_outcomes = Counter(await asyncio.gather(*aborts))
         other_done = await other
         stop.set()
         samples, unhealthy = await watcher
-        sent = len(aborts) + len(other_done)
         for _ in range(100):  # the stubs see the last aborted generations end
             after = await stub_counts(http, stubs)
             if after["cancelled"] - before["cancelled"] >= abort_outcomes["aborted"]:
                 break
             await asyncio.sleep(0.1)
         retries = await metric(http, url, retry) - retries_before
+        prompts: Counter[str] = Counter()
+        for stub in stubs:
+            async with http.get(f"{stub}/stub/prompts") as response:
+                prompts.update(await response.json())
+    ours = {prompt: n for prompt, n in prompts.items() if prompt.startswith(("abort-", "other-"))}
     return {
         "seconds": args.abort_seconds,
         "aborts": len(aborts),
@@ -299,7 +314,8 @@ async def phase_aborts(url: str, stubs: list[str], args: argparse.Namespace) -> 
         "unhealthy_samples": unhealthy,
         "retries": retries,
         "upstream_requests": after["completions"] - before["completions"],
-        "duplicates": after["completions"] - before["completions"] - sent,
+        "reached_replicas": len(ours),  # distinct requests of this phase that reached a replica
+        "duplicates": sum(n - 1 for n in ours.values()),  # the same request sent to a replica again
         "cancelled_upstream": after["cancelled"] - before["cancelled"],
     }
 
@@ -439,7 +455,11 @@ def measure(workdir: Path, source: Path | None, args: argparse.Namespace) -> Res
 
 def _outcomes(found: dict[str, int]) -> str:
     bad = {k: v for k, v in found.items() if k not in ("ok", "aborted")}
-    return ", ".join(f"{v} x {k}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1])) or "none"
+    shown = (
+        f"{v} x {k if len(k) < 90 else k[:90] + ' ...'}"
+        for k, v in sorted(bad.items(), key=lambda kv: -kv[1])
+    )
+    return "; ".join(shown).replace("|", "\\|") or "none"
 
 
 def _normal(summary: Results) -> str:
@@ -451,14 +471,18 @@ def _slash(values: Sequence[float], digits: int = 0) -> str:
 
 
 def streams_rows(r: Results) -> list[tuple[str, str]]:
+    waves = r["waves"]
+    rss = [f"{r['rss_before_mb']:.0f}", *(f"{w['rss_peak_mb']:.0f}/{w['rss_end_mb']:.0f}" for w in waves),
+           f"{r['rss_after_mb']:.0f}"]  # fmt: skip
+    fds = [str(r["fds_before"]), *(str(w["fds_peak"]) for w in waves), str(r["fds_after"])]
     return [
         ("streams that failed", f"{r['errors']} of {r['streams']}"),
         ("what failed", _outcomes(r["outcomes"])),
-        ("wall time (s)", f"{r['wall_s']:.1f}"),
-        ("kvgate RSS before / peak / end / 3 s after (MB)",
-         _slash([r["rss_before_mb"], r["rss_peak_mb"], r["rss_end_mb"], r["rss_after_mb"]])),
-        ("kvgate open fds before / peak / after", _slash([r["fds_before"], r["fds_peak"], r["fds_after"]])),
-        ("upstream requests (at the stubs)", str(r["upstream_requests"])),
+        ("wall time of each wave (s)", ", ".join(f"{w['wall_s']:.1f}" for w in waves)),
+        ("kvgate RSS (MB): before → each wave's peak/end → 3 s after", " → ".join(rss)),
+        ("kvgate open fds: before → each wave's peak → 3 s after", " → ".join(fds)),
+        ("requests at the stubs / generations cancelled there",
+         f"{r['upstream_requests']} / {r['cancelled_upstream']}"),
     ]  # fmt: skip
 
 
@@ -472,7 +496,8 @@ def aborts_rows(r: Results) -> list[tuple[str, str]]:
         ("`/kvgate/status` samples with an unhealthy replica",
          f"{r['unhealthy_samples']} of {r['health_samples']}"),
         ("retries on another replica", f"{r['retries']:.0f}"),
-        ("duplicate upstream requests", str(r["duplicates"])),
+        ("requests of this phase that reached a replica", str(r["reached_replicas"])),
+        ("duplicate upstream requests (one request at a replica again)", str(r["duplicates"])),
         ("generations cancelled at the stubs", str(r["cancelled_upstream"])),
     ]  # fmt: skip
 
@@ -511,15 +536,15 @@ def render(runs: dict[str, Results], args: argparse.Namespace, env: dict[str, st
         "",
         f"    {env['command']}",
         "",
-        f"Two stub replicas (one process; an SSE chunk every {args.chunk_delay:g} s, {args.chunks} chunks: "
-        f"about {seconds:g} s a stream), `kvgate serve` with its embedded Redis and one published adapter",
-        "(requests name its logical ID), and the load generator, each its own process on 127.0.0.1. kvgate",
-        "runs with its default settings except `--max-connections-per-client 0` (every client here has one",
-        "address).",
+        f"Two stub replicas in one process (an SSE chunk every {args.chunk_delay:g} s, {args.chunks} chunks: "
+        f"about {seconds:g} s a",
+        "stream), `kvgate serve` with its embedded Redis and one published adapter (requests name its",
+        "logical ID), and the load generator, each its own process on 127.0.0.1. kvgate runs with its",
+        "default settings except `--max-connections-per-client 0` (every client here has one address).",
         "",
     ]
     if "streams" in args.phases:
-        lines += [f"## a. {args.streams} concurrent streams of about {seconds:g} s", ""]
+        lines += [f"## a. {args.streams} concurrent streams of about {seconds:g} s, {args.waves} waves", ""]
         lines += table(runs, "streams", streams_rows)
     if "aborts" in args.phases:
         rate, span = f"{args.abort_rate:g}", f"{args.abort_seconds:g}"
@@ -552,6 +577,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     stubs.add_argument("--chunks", type=int, required=True)
     stubs.add_argument("--chunk-delay", type=float, required=True)
     parser.add_argument("--streams", type=int, default=1000, help="phase a: concurrent streams (1000)")
+    parser.add_argument(
+        "--waves", type=int, default=2, help="phase a: waves of streams, one after another (2)"
+    )
     parser.add_argument("--chunks", type=int, default=32, help="SSE chunks per stream (32)")
     parser.add_argument("--chunk-delay", type=float, default=0.25, help="seconds between chunks (0.25)")
     parser.add_argument("--abort-rate", type=float, default=20.0, help="phase b: aborts a second (20)")

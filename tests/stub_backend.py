@@ -4,13 +4,15 @@ Never a stand-in for vLLM in the integration tests (those run the real server). 
 last request body it received so tests can see exactly what kvgate forwarded. It can answer at an
 LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streaming answer) and counts
 completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
-``GET /stub/stats`` reports the counters (for load tests that run the stub as its own process).
+``GET /stub/stats`` reports the counters and ``GET /stub/prompts`` how often each prompt came (a prompt
+seen twice is a duplicate upstream request), for load tests that run the stub as its own process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ class StubState:
     completions: int = 0  # completion requests received (never trimmed, unlike ``received``)
     cancelled: int = 0  # completions whose caller left (connection closed) before the end
     finished: int = 0  # completions answered to the end
+    prompts: Counter[str] = field(default_factory=Counter)  # completions per prompt
 
 
 STUB = web.AppKey("stub", StubState)
@@ -80,6 +83,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
     state.completions += 1
+    state.prompts[str(body.get("prompt", body.get("messages", "")))] += 1
     try:
         response = await _generate(request, state, body)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -138,6 +142,10 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(counts)
 
 
+async def _prompts(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STUB].prompts)
+
+
 def build_stub(state: StubState) -> web.Application:
     app = web.Application()
     app[STUB] = state
@@ -149,4 +157,5 @@ def build_stub(state: StubState) -> web.Application:
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
     app.router.add_get("/stub/stats", _stats)
+    app.router.add_get("/stub/prompts", _prompts)
     return app
