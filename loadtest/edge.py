@@ -558,13 +558,53 @@ def render(runs: dict[str, Results], args: argparse.Namespace, env: dict[str, st
         lines += [f"## c. Slowloris: {args.slowloris} connections sending headers a byte a second "
                   f"(header deadline {HEADER_TIMEOUT:g} s)", ""]  # fmt: skip
         lines += table(runs, "slowloris", slowloris_rows)
+    if args.before is not None:
+        lines += [f"`{args.before_label}` is kvgate from `{args.before}`, run beside this tree's (an",
+                  "export of that commit, e.g. `git archive <commit> | tar -x -C DIR`); `make loadtest-edge`",
+                  "measures this tree alone.", ""]  # fmt: skip
+    lines += [*NOTES, ""]
     lines += [
-        f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end: "
+        f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end:",
         f"{env['load_start']} / {env['load_end']}. One run on a shared machine: read the latencies as orders",
         "of magnitude and the counts as the result.",
         "",
     ]
     return "\n".join(lines)
+
+
+NOTES = """\
+## Reading it
+
+- **a. Streams.** kvgate used to keep aiohttp's hidden limit of 256 connections per replica, and the
+  wait for a pooled connection counted against the 5 s connect timeout, so streams beyond 256 per
+  replica failed as 504 "replica ... timed out" (blaming the replica). kvgate now owns the limit:
+  `max_connections_per_replica` (default 2048, 0 = none) with its own wait, `pool_wait_timeout`
+  (default 10 s), and its own error, 503 `replica_busy`, saying how long it waited; the connect
+  timeout measures connecting only. RSS stays flat from one wave to the next. The open descriptors
+  left after the waves are kvgate's idle connections to the replicas (one per stream of the last
+  wave), which its HTTP client keeps for up to 60 s for reuse.
+- **b. Aborting client.** A write to a client that had left raised `ClientConnectionResetError`, an
+  `aiohttp.ClientError`, which kvgate took for the replica failing: it marked the replica unhealthy
+  (both, soon: "no healthy replica" for everyone else) and sent the request again to the other one.
+  Now a failed write to the client is `ClientClosed`: kvgate closes the upstream response (the replica
+  stops generating; the stubs count it), counts the request as outcome `client_closed`, and neither
+  marks nor retries. A client that leaves a pending non-streaming request cancels it upstream too
+  (aiohttp's `handler_cancellation`).
+- **c. Slowloris.** aiohttp has no header deadline: a connection that sends its headers slowly was
+  held for its keep-alive timeout (3,630 s by default). kvgate's `header_timeout` (default 10 s) runs
+  from the connection's accept (or a kept-alive request's first byte) and answers 408 with an OpenAI
+  body, then closes. "Held open" is timed from when the generator's own event loop saw each connect
+  complete, which lags behind the accept with 3,000 connects at once (hence under 10 s); the last
+  close, from the attack's start, bounds it from the other side. A few connections see a reset rather
+  than the 408: they sent a byte after kvgate closed, and the kernel's reset can discard the unread
+  answer; they are closed either way. The per-address cap is off in this run (every client is
+  127.0.0.1); with it on, connections over the cap get a 429 to their request, and a slowloris one,
+  which never completes a request, is closed at the header deadline like the rest.
+
+Deadlines and limits, all settings (README, Configuration): `header_timeout` 10 s, `body_timeout` 60 s
+(the whole body, once the headers are in; 408), `keepalive_timeout` 60 s (idle between requests),
+`max_connections_per_client` 1024 (429, then closed), `max_connections_per_replica` 2048 and
+`pool_wait_timeout` 10 s (503 `replica_busy`).""".splitlines()
 
 
 # --- main -------------------------------------------------------------------------------------------
