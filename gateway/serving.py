@@ -5,11 +5,12 @@ kvgate's come from its settings, other apps get the settings' defaults):
 
 - **headers**: a request's line and headers must arrive within ``header_timeout``, counted from the
   connection's start for its first request, then from each request's first byte. Late: a 408 (OpenAI
-  body) and the connection closes; a connection that never sent a byte just closes. aiohttp has no such
+  body) and the connection ends; a connection that never sent a byte just closes. aiohttp has no such
   deadline (it waits for its keep-alive timer, an hour by default).
 - **body**: once the headers are in, the whole body must arrive within ``body_timeout``. Late: the
   handler's read raises ``RequestTimeout`` (a 408 through the app's error middleware), and the
-  connection closes after that answer.
+  connection ends. A timed-out connection's input is dropped for ``LINGER`` before it closes, so a
+  client still sending reads the 408 rather than a reset.
 - **idle**: a kept-alive connection closes after ``keepalive_timeout`` without a request (aiohttp's own).
 - **per address**: one client address holds at most ``max_connections_per_client`` connections; a
   connection over it is answered 429 (OpenAI body) to its request and closed.
@@ -63,6 +64,9 @@ class EdgeLimits:
 
 EDGE = web.AppKey("edge", EdgeLimits)
 BACKLOG = 1024  # pending connections the kernel queues for accept (aiohttp's default is 128)
+LINGER = 1.0
+"""Seconds a timed-out connection is still read (input discarded) before it closes: closing on a client
+that is still sending makes the kernel answer with a reset, which can destroy the 408 before it is read."""
 
 
 def raise_open_files_limit() -> int:
@@ -152,6 +156,7 @@ class EdgeConnection(RequestHandler):
         self.deadline: asyncio.TimerHandle | None = None
         self.partial = False  # bytes of a request head arrived while its deadline runs
         self.body: StreamReader | None = None  # the body being received, under the body deadline
+        self.discarding = False  # timed out: input is dropped until the connection closes (LINGER)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -171,7 +176,7 @@ class EdgeConnection(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._force_close or self._close:
+        if self._force_close or self._close or self.discarding:
             return
         if data and self.deadline is None and self._between_requests():
             self._arm(self.limits.header_timeout, self._headers_late)  # a new request's first byte
@@ -207,10 +212,15 @@ class EdgeConnection(RequestHandler):
         self.deadline, self.partial = None, False
         if self.transport is None:
             return
-        if partial:
-            error = RequestTimeout(f"request headers not received within {self.limits.header_timeout:g} s")
-            self.transport.write(_raw_error(error, "Request Timeout"))
-        self.force_close()
+        if not partial:
+            self.force_close()  # connected and never sent a byte: nothing to answer
+            return
+        error = RequestTimeout(f"request headers not received within {self.limits.header_timeout:g} s")
+        transport = self.transport
+        transport.write(_raw_error(error, "Request Timeout"))
+        if transport.can_write_eof():
+            transport.write_eof()  # the answer, then end of stream: the client reads both
+        self._close_after_linger()
 
     def _body_late(self) -> None:
         body = self.body
@@ -221,9 +231,14 @@ class EdgeConnection(RequestHandler):
         if request is None or request.content is not body:
             self.force_close()  # no handler reads it (already answered): just close
             return
-        self.close()  # read nothing more; the connection closes after the handler's answer
+        # the handler's read raises: it answers 408; the rest of the body is dropped, then the connection ends
         body.set_exception(RequestTimeout(f"request body not received within {self.limits.body_timeout:g} s"))
         body.feed_eof()
+        self._close_after_linger()
+
+    def _close_after_linger(self) -> None:
+        self.discarding = True
+        self._arm(LINGER, self.force_close)
 
 
 def _refuse(address: str, cap: int) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:

@@ -590,16 +590,17 @@ NOTES = """\
   stops generating; the stubs count it), counts the request as outcome `client_closed`, and neither
   marks nor retries. A client that leaves a pending non-streaming request cancels it upstream too
   (aiohttp's `handler_cancellation`).
-- **c. Slowloris.** aiohttp has no header deadline: a connection that sends its headers slowly was
-  held for its keep-alive timeout (3,630 s by default). kvgate's `header_timeout` (default 10 s) runs
-  from the connection's accept (or a kept-alive request's first byte) and answers 408 with an OpenAI
-  body, then closes. "Held open" is timed from when the generator's own event loop saw each connect
-  complete, which lags behind the accept with 3,000 connects at once (hence under 10 s); the last
-  close, from the attack's start, bounds it from the other side. A few connections see a reset rather
-  than the 408: they sent a byte after kvgate closed, and the kernel's reset can discard the unread
-  answer; they are closed either way. The per-address cap is off in this run (every client is
-  127.0.0.1); with it on, connections over the cap get a 429 to their request, and a slowloris one,
-  which never completes a request, is closed at the header deadline like the rest.
+- **c. Slowloris.** aiohttp has no header deadline: a connection that sends its headers slowly was held
+  for its keep-alive timeout (3,630 s by default). kvgate's `header_timeout` (default 10 s) runs from
+  the connection's accept (or a kept-alive request's first byte) and answers 408 with an OpenAI body,
+  then closes. "Held open" is timed from when the generator's own event loop saw each connect complete,
+  which lags behind the accept with 3,000 connects at once (hence under 10 s); the last close, from the
+  attack's start, bounds it from the other side. After the 408 and end of stream, kvgate drops a
+  timed-out connection's input for a second before closing the socket: closing on a client that is still
+  sending makes the kernel reset the connection, which can destroy the unread 408 (an earlier version
+  did that to 15% of them). The per-address cap is off in this run (every client is 127.0.0.1); with it
+  on, connections over the cap get a 429 to their request, and a slowloris one, which never completes a
+  request, is closed at the header deadline like the rest.
 
 Deadlines and limits, all settings (README, Configuration): `header_timeout` 10 s, `body_timeout` 60 s
 (the whole body, once the headers are in; 408), `keepalive_timeout` 60 s (idle between requests),
