@@ -63,3 +63,9 @@ loadtest-routing: $(VENV)/.done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo
+
+# Holding the edge against `kvgate serve` with two stub replicas: 1,000 concurrent ~8 s streams (errors,
+# RSS), a client aborting streams beside a normal one, slowloris with 3,000 connections: docs/edge.md.
+.PHONY: loadtest-edge
+loadtest-edge: $(VENV)/.done
+	$(PY) -m loadtest.edge --out docs/edge.md

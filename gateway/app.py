@@ -39,6 +39,7 @@ from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
 from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
+from gateway.serving import EDGE, EdgeLimits
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
@@ -97,9 +98,15 @@ def _error_response(exc: KvgateError) -> web.Response:
 
 
 def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
-    """No total limit (SSE streams run long); bounded connect, and a bound between bytes."""
+    """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
+
+    The connector has no pool limit (the replicas' limit is kvgate's own, ``Replica.connection``), so
+    ``connect`` never includes a wait for a pooled connection: it is DNS and the TCP connect alone."""
     return aiohttp.ClientTimeout(
-        total=None, connect=settings.connect_timeout, sock_read=settings.read_timeout
+        total=None,
+        connect=settings.connect_timeout,
+        sock_connect=settings.connect_timeout,
+        sock_read=settings.read_timeout,
     )
 
 
@@ -112,6 +119,7 @@ def build_app(
 ) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
     app[SETTINGS] = settings
+    app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (gateway.serving)
     app[METRICS] = metrics = metrics or Metrics()
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
@@ -184,11 +192,19 @@ def _epoch_changed(app: web.Application, logical_id: str) -> None:
 
 async def _components(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60)
+    # No pool limit here: kvgate limits connections per replica itself (max_connections_per_replica)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=session_timeout(settings)) as session:
         dialect = dialect_for(settings.backend)
         with_root = settings.base_model_root is not None
-        app[POOL] = ReplicaPool(settings.replicas, dialect, session, base_with_root=with_root)
+        app[POOL] = ReplicaPool(
+            settings.replicas,
+            dialect,
+            session,
+            base_with_root=with_root,
+            max_connections=settings.max_connections_per_replica,
+            pool_wait=settings.pool_wait_timeout,
+        )
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(

@@ -28,12 +28,13 @@ from gateway.adapters.store import AdapterStore
 from gateway.app import ADMIN_LISTENER, DRAIN, build_app
 from gateway.cli_audit import cmd_audit
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
-from gateway.config import Settings, add_setting_flags, describe_invalid, flag_overrides, load_settings
+from gateway.config import Settings, describe_invalid, load_settings
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
 from gateway.open_table import open_table
 from gateway.serving import running
+from gateway.settings_table import add_setting_flags, flag_overrides
 from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import assemble_script, operation_names
 from gateway.table.leases import live_gateways

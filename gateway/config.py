@@ -6,19 +6,17 @@ The config file is named by ``--config`` or ``KVGATE_CONFIG``; its keys are the 
 Each field's docstring is its description, and the model is the one list of settings: each field is a
 flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by its annotation, and a
 ``KVGATE_FIELD_NAME`` variable. ``serve`` takes every setting; the other commands take the ones they use
-(``setting_names``). The README's settings table is generated here too; after changing a setting::
+(``settings_table.setting_names``). The README's settings table is generated from it too, by
+``gateway/settings_table.py``; after changing a setting::
 
-    python -m gateway.config --write README.md   # --check README.md: exit 1 if it drifted
+    python -m gateway.settings_table --write README.md   # --check README.md: exit 1 if it drifted
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -84,6 +82,20 @@ class Settings(BaseSettings):
     """Seconds to connect to a replica (in ``kvgate audit``: to each audited server)."""
     read_timeout: float = Field(600.0, gt=0)
     """Seconds to wait for each read from a replica (in ``kvgate audit``: from each audited server)."""
+    max_connections_per_replica: int = Field(2048, ge=0)
+    """Requests kvgate runs at once on one replica (a stream holds its connection to the end); 0: no limit."""
+    pool_wait_timeout: float = Field(10.0, gt=0)
+    """Seconds a request waits for a free connection to its replica (at that limit); then 503 replica_busy."""
+    header_timeout: float = Field(10.0, gt=0)
+    """Seconds a client has to send a request's line and headers (counted from connecting, or from the
+    request's first byte on a kept-alive connection); then 408 and the connection is closed."""
+    body_timeout: float = Field(60.0, gt=0)
+    """Seconds a client has to send a request's whole body once its headers are in; then 408 and closed."""
+    keepalive_timeout: float = Field(60.0, gt=0)
+    """Seconds an idle kept-alive client connection stays open between requests."""
+    max_connections_per_client: int = Field(1024, ge=0)
+    """Open connections one client address may hold; more are answered 429 and closed (0: no limit).
+    Behind a proxy, every client has the proxy's address: raise it, or 0."""
     load_timeout: float = Field(120.0, gt=0)
     """Seconds an adapter load may take (also the wait for another kvgate's load of it)."""
     lock_ttl: float = Field(150.0, gt=0)
@@ -183,156 +195,3 @@ def describe_invalid(exc: ValidationError) -> str:
         why = " ".join(error["msg"].removeprefix("Value error, ").split())
         problems.append(f"{where}: {why}" if where else why)
     return "invalid settings: " + "; ".join(problems)
-
-
-# The settings as command-line flags and as the README table, both generated from the model.
-
-START = "<!-- settings-table:start -->"
-END = "<!-- settings-table:end -->"
-COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo", "keys")
-
-# Where the table and the store are, and which base and backend they belong to: every command reads them.
-_EVERY_COMMAND = frozenset(
-    {"store", "data_dir", "redis_url", "redis_timeout", "base_model", "base_model_root", "backend"}
-)
-_ALSO: dict[str, frozenset[str]] = {
-    # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
-    "audit": frozenset(
-        {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"}
-    ),
-    "publish": frozenset({"max_adapter_bytes"}),
-}
-_FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
-_METAVARS = {"replicas": "URL"}
-
-
-def setting_names(command: str) -> tuple[str, ...]:
-    """The settings ``command`` takes as flags, in the model's order: what ``settings_from`` passes on."""
-    if command not in COMMANDS:
-        raise KeyError(f"unknown command {command!r}")
-    wanted = _EVERY_COMMAND | _ALSO.get(command, frozenset())
-    return tuple(name for name in Settings.model_fields if command == "serve" or name in wanted)
-
-
-def flag(name: str) -> str:
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-def env_var(name: str) -> str:
-    return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
-
-
-def description(name: str) -> str:
-    text = Settings.model_fields[name].description
-    if not text:
-        raise TypeError(f"setting {name} has no docstring: it is its --help and its README row")
-    return " ".join(text.replace("``", "`").split())
-
-
-def default(name: str) -> str:
-    value = Settings.model_fields[name].get_default(call_default_factory=True)
-    return "unset" if value is None or value == [] else f"`{value}`"
-
-
-def _argument_kind(annotation: Any) -> dict[str, Any]:
-    """argparse keywords for a field's type (``X | None`` is ``X``: an absent flag means not given)."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        (annotation,) = [arg for arg in get_args(annotation) if arg is not type(None)]
-    if get_origin(annotation) is Literal:
-        choices = get_args(annotation)
-        if not all(isinstance(choice, str) for choice in choices):
-            raise TypeError(f"no flag for {annotation}: choices must be strings")
-        return {"choices": choices}
-    if get_origin(annotation) is list:
-        (item,) = get_args(annotation)
-        return {"action": "append", **_argument_kind(item)}
-    if annotation is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if annotation is SecretStr:
-        return {"type": str}
-    if annotation in (str, int, float, Path):
-        return {"type": annotation}
-    raise TypeError(f"no flag for a setting of type {annotation}")
-
-
-def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    group = parser.add_argument_group(
-        "settings", "a flag beats KVGATE_<NAME>, which beats the --config file, which beats the default"
-    )
-    for name in setting_names(command):
-        kind = _argument_kind(Settings.model_fields[name].annotation)
-        shown = f"{description(name)} [{env_var(name)}; default {default(name).strip('`')}]"
-        if name in _METAVARS:
-            kind["metavar"] = _METAVARS[name]
-        group.add_argument(flag(name), dest=name, default=None, help=shown.replace("%", "%%"), **kind)
-
-
-def flag_overrides(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """The settings given on the command line (``None``: not given), for ``load_settings``."""
-    return {name: getattr(args, name) for name in setting_names(command)}
-
-
-def _commands(name: str) -> str:
-    using = [command for command in COMMANDS if name in setting_names(command)]
-    return "all" if len(using) == len(COMMANDS) else ", ".join(using)
-
-
-def markdown() -> str:
-    """The settings table: one row per ``Settings`` field."""
-    lines = [
-        "| setting | flag | environment | default | commands | description |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name in Settings.model_fields:
-        cells = (f"`{name}`", f"`{flag(name)}`", f"`{env_var(name)}`", default(name), _commands(name),
-                 description(name).replace("|", "\\|"))  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def block() -> str:
-    """What the README holds between (and including) the markers."""
-    return f"{START}\n{markdown()}{END}"
-
-
-def _span(text: str) -> tuple[int, int]:
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"expected one {START} ... {END} block")
-    return text.index(START), text.index(END) + len(END)
-
-
-def readme_block(text: str) -> str:
-    start, end = _span(text)
-    return text[start:end]
-
-
-def with_block(text: str) -> str:
-    """``text`` with its settings block regenerated."""
-    start, end = _span(text)
-    return text[:start] + block() + text[end:]
-
-
-def readme_table_tool(argv: Sequence[str] | None = None) -> int:
-    """``python -m gateway.config [--write | --check] README.md``: print, regenerate or check the table."""
-    parser = argparse.ArgumentParser(
-        prog="python -m gateway.config",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", type=Path, metavar="README", help="regenerate the block in this file")
-    action.add_argument("--check", type=Path, metavar="README", help="exit 1 if the block there drifted")
-    args = parser.parse_args(argv)
-    if args.write:
-        args.write.write_text(with_block(args.write.read_text()))
-    elif args.check:
-        if readme_block(args.check.read_text()) != block():
-            print(f"{args.check}: settings table is stale; run {parser.prog} --write", file=sys.stderr)
-            return 1
-    else:
-        print(markdown(), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(readme_table_tool())

@@ -1,13 +1,18 @@
 """A fast stub that follows vLLM's documented API, for proxy edge cases and load tests.
 
 Never a stand-in for vLLM in the integration tests (those run the real server). It records the
-last request body it received so tests can see exactly what kvgate forwarded.
+last request body it received so tests can see exactly what kvgate forwarded. It can answer at an
+LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streaming answer) and counts
+completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
+``GET /stub/stats`` reports the counters and ``GET /stub/prompts`` how often each prompt came (a prompt
+seen twice is a duplicate upstream request), for load tests that run the stub as its own process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +31,13 @@ class StubState:
     busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
     resets: int = 0
     chunks: int = 4
-    chunk_delay: float = 0.0  # seconds between stream chunks (an LLM's pace)
     break_stream_after: int | None = None
+    chunk_delay: float = 0.0  # seconds before each SSE chunk
+    reply_delay: float = 0.0  # seconds before a non-streaming answer
+    completions: int = 0  # completion requests received (never trimmed, unlike ``received``)
+    cancelled: int = 0  # completions whose caller left (connection closed) before the end
+    finished: int = 0  # completions answered to the end
+    prompts: Counter[str] = field(default_factory=Counter)  # completions per prompt
 
 
 STUB = web.AppKey("stub", StubState)
@@ -72,12 +82,26 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
+    state.completions += 1
+    state.prompts[str(body.get("prompt", body.get("messages", "")))] += 1
+    try:
+        response = await _generate(request, state, body)
+    except (asyncio.CancelledError, ConnectionResetError):
+        state.cancelled += 1  # the caller left: a replica stops the generation here
+        raise
+    state.finished += 1
+    return response
+
+
+async def _generate(request: web.Request, state: StubState, body: dict[str, Any]) -> web.StreamResponse:
     model = body["model"]
     if model != state.base and model not in state.adapters:
         msg = f"The model `{model}` does not exist."
         return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
     chat = request.path.endswith("chat/completions")
     if not body.get("stream"):
+        if state.reply_delay:
+            await asyncio.sleep(state.reply_delay)
         choice = {"index": 0, "finish_reason": "length"}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         return web.json_response(
@@ -112,6 +136,16 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": True})
 
 
+async def _stats(request: web.Request) -> web.Response:
+    state = request.app[STUB]
+    counts = {"completions": state.completions, "cancelled": state.cancelled, "finished": state.finished}
+    return web.json_response(counts)
+
+
+async def _prompts(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STUB].prompts)
+
+
 def build_stub(state: StubState) -> web.Application:
     app = web.Application()
     app[STUB] = state
@@ -122,4 +156,6 @@ def build_stub(state: StubState) -> web.Application:
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
+    app.router.add_get("/stub/stats", _stats)
+    app.router.add_get("/stub/prompts", _prompts)
     return app

@@ -11,23 +11,22 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gateway.cli import build_parser, main, settings_from
-from gateway.config import (
+from gateway.config import Settings, load_settings
+from gateway.fleet.backends import DIALECTS
+from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
+from gateway.settings_table import (
     COMMANDS,
     END,
     START,
-    Settings,
     block,
     description,
     env_var,
     flag,
     flag_overrides,
-    load_settings,
     readme_block,
     readme_table_tool,
     setting_names,
 )
-from gateway.fleet.backends import DIALECTS
-from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
 
 
 def test_cli_beats_env_beats_file_beats_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,6 +78,12 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "max_body_bytes": ("2048", 2048),
     "connect_timeout": ("1.5", 1.5),
     "read_timeout": ("60", 60.0),
+    "max_connections_per_replica": ("0", 0),
+    "pool_wait_timeout": ("2.5", 2.5),
+    "header_timeout": ("3", 3.0),
+    "body_timeout": ("20", 20.0),
+    "keepalive_timeout": ("15", 15.0),
+    "max_connections_per_client": ("64", 64),
     "load_timeout": ("30", 30.0),
     "lock_ttl": ("45", 45.0),
     "prefix_index_entries": ("10", 10),

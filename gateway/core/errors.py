@@ -2,7 +2,10 @@
 
     KvgateError                      500 internal_error
     ├── BadRequest                   400 invalid_request_error
-    │   └── BodyTooLarge             413 invalid_request_error
+    │   ├── BodyTooLarge             413 invalid_request_error
+    │   └── RequestTimeout           408 invalid_request_error  (headers or body not sent within the deadline)
+    ├── TooManyConnections           429 rate_limit_error       (a client address over its connection cap)
+    ├── ClientClosed                 499 client_closed          (the client left mid-request: nothing is sent)
     ├── Unauthorized                 401 authentication_error   (no valid API key; admin surface, no token)
     ├── ModelNotFound                404 not_found_error        (unknown logical ID, or not the caller's)
     ├── CallerNotFound               404 not_found_error        (revoke of an API key id that does not exist)
@@ -19,6 +22,7 @@
     ├── ShuttingDown                 503 service_unavailable    (this kvgate is draining: try another)
     ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
     │                                                            embedded one is owned by another kvgate)
+    ├── ReplicaBusy                  503 service_unavailable    (no free connection to the replica in time)
     ├── AuditError                   502 audit_error            (the audit could not run: no verdict)
     └── ReplicaStartError            500 internal_error         (a vLLM replica kvgate starts did not come up)
 
@@ -63,6 +67,36 @@ class BadRequest(KvgateError):
 
 class BodyTooLarge(BadRequest):
     status = 413
+
+
+class RequestTimeout(BadRequest):
+    """The client did not send its request's headers, or its whole body, within the deadline."""
+
+    status = 408
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout")
+
+
+class TooManyConnections(KvgateError):
+    """A client address already holds ``max_connections_per_client`` open connections."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="too_many_connections")
+
+
+class ClientClosed(KvgateError):
+    """The client closed its connection mid-request (499, as nginx counts it); no answer can reach it.
+
+    Raised where kvgate fails to write to the client, so that a departed client is never taken for a
+    failing replica: the upstream request is closed (the replica stops generating), nothing is retried.
+    """
+
+    status = 499
+    type = "client_closed"
 
 
 class Unauthorized(KvgateError):
@@ -139,6 +173,17 @@ class ShuttingDown(KvgateError):
 
     status = 503
     type = "service_unavailable"
+
+
+class ReplicaBusy(KvgateError):
+    """Every connection kvgate allows to a replica (``max_connections_per_replica``) stayed in use for
+    ``pool_wait_timeout``. The replica is not at fault and stays healthy."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="replica_busy")
 
 
 class TableUnavailable(KvgateError):

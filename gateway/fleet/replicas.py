@@ -3,17 +3,25 @@
 A poller asks every replica's ``/v1/models`` (through its backend dialect) each ``poll_interval``; a
 replica that does not answer is unhealthy until it does. In-flight counts and last use per versioned
 name are local to this kvgate and feed routing, the adapter budget and the drain before unload.
+
+Each replica has its own connection limit (``max_connections_per_replica``): a request holds one of its
+slots from before it is sent until its last byte is relayed (a stream holds it to the end), and waits at
+most ``pool_wait_timeout`` for one; then ``ReplicaBusy``, and the replica is not blamed. The shared HTTP
+client has no pool limit of its own, so its connect timeout measures connecting, never queueing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import aiohttp
 
+from gateway.core.errors import ReplicaBusy
 from gateway.core.identity import base_identity
 from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.periodic import periodically
@@ -25,9 +33,14 @@ log = logging.getLogger(__name__)
 class Replica:
     """One replica as this kvgate sees it; the scheduler reads it as a ``ReplicaView``."""
 
-    def __init__(self, url: str, *, base_with_root: bool = False) -> None:
+    def __init__(
+        self, url: str, *, base_with_root: bool = False, max_connections: int = 0, pool_wait: float = 0.0
+    ) -> None:
         self.url = url
         self.base_with_root = base_with_root
+        self.max_connections = max_connections
+        self.pool_wait = pool_wait
+        self.slots = asyncio.Semaphore(max_connections) if max_connections else None
         self.healthy = False
         self.listing = AdapterListing(None, None)
         self.in_flight = 0
@@ -66,6 +79,25 @@ class Replica:
                 del self.in_flight_by_name[name]
             self.last_used[name] = time.monotonic()
 
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[None]:
+        """Hold one of this replica's connection slots (none to hold without a limit)."""
+        if self.slots is None:
+            yield
+            return
+        try:
+            async with asyncio.timeout(self.pool_wait):
+                await self.slots.acquire()
+        except TimeoutError:
+            raise ReplicaBusy(
+                f"kvgate waited {self.pool_wait:g} s for a free connection to replica {self.url}: all "
+                f"{self.max_connections} are in use (max_connections_per_replica); retry later"
+            ) from None
+        try:
+            yield
+        finally:
+            self.slots.release()
+
     def __repr__(self) -> str:
         return f"Replica({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
 
@@ -78,8 +110,14 @@ class ReplicaPool:
         session: aiohttp.ClientSession,
         *,
         base_with_root: bool,
+        max_connections: int = 0,
+        pool_wait: float = 0.0,
     ) -> None:
-        self.replicas = [Replica(url, base_with_root=base_with_root) for url in urls]
+        """``max_connections``: per replica, 0 for no limit; ``pool_wait``: seconds to wait for one."""
+        self.replicas = [
+            Replica(url, base_with_root=base_with_root, max_connections=max_connections, pool_wait=pool_wait)
+            for url in urls
+        ]
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root

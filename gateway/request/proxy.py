@@ -12,6 +12,7 @@ caller's ``Authorization`` (kvgate's credential) never goes on to a replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -27,6 +28,7 @@ from gateway.core.errors import (
     BackendUnreachable,
     BadRequest,
     BodyTooLarge,
+    ClientClosed,
     KvgateError,
     NoEligibleReplica,
     VersionUnloading,
@@ -130,6 +132,9 @@ class Proxy:
                 outcome = exc.type
                 span.set_status(StatusCode.ERROR, exc.message)
                 raise
+            except asyncio.CancelledError:  # the client left (aiohttp cancels its handler), or shutdown
+                outcome = ClientClosed.type
+                raise
             finally:
                 self.metrics.requests.labels(label, outcome).inc()
                 self.metrics.latency.labels(label).observe(time.monotonic() - started)
@@ -139,7 +144,9 @@ class Proxy:
     ) -> web.StreamResponse:
         """Stages 3 and 4. A replica that fails before the first byte reaches the client is marked
         unhealthy (until its next good poll) and the request goes to the next eligible one; pinned
-        requests are never moved. After the first byte, errors travel as a final SSE event instead."""
+        requests are never moved. After the first byte, errors travel as a final SSE event instead.
+        A client that leaves (``ClientClosed``) or a replica without a free connection (``ReplicaBusy``)
+        is no fault of the replica: neither marks it nor retries."""
         pin = parsed.admin.pin
         for attempt in range(len(self.pool.replicas)):
             decision = await self.schedule(target, pin)
@@ -259,9 +266,13 @@ class Proxy:
         evidence = relay.evidence(target, self.replica_names[replica.url])
         async with self._in_use(replica, name):
             with relay.upstream_errors(self.replica_names[replica.url]):
-                async with self.pool.session.post(
-                    replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
-                ) as upstream:
+                # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
+                async with (
+                    replica.connection(),
+                    self.pool.session.post(
+                        replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
+                    ) as upstream,
+                ):
                     self.metrics.ttfb.labels(target.logical_id).observe(time.monotonic() - started)
                     if parsed.stream and upstream.content_type == "text/event-stream":
                         response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)

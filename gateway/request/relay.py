@@ -4,6 +4,10 @@ Coming out, the versioned name is rewritten back to the logical ID in the body a
 (as bytes, no JSON parse), the evidence headers say which effective model answered, and the backend's
 ``usage`` numbers go to metrics and the span. ``upstream_errors`` is the one place upstream client errors
 become kvgate errors.
+
+Writing to the client and reading from the replica fail apart: a write to a client that left raises
+``ClientClosed`` (the upstream response is closed, so the replica stops generating; the replica is not
+blamed and nothing is retried), while a broken upstream read ends the stream with an SSE error event.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Span
 
-from gateway.core.errors import BackendTimeout, BackendUnreachable, KvgateError
+from gateway.core.errors import BackendTimeout, BackendUnreachable, ClientClosed, KvgateError
 from gateway.core.model import Target
 from gateway.core.wire import DIGEST_HEADER, EPOCH_HEADER, PREFIX_KEY_HEADER, REPLICA_HEADER, VERSION_HEADER
 from gateway.telemetry import tracing as attr
@@ -104,7 +108,8 @@ async def relay_stream(
     response = web.StreamResponse(status=upstream.status, headers=headers)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
-    await response.prepare(request)
+    to_client = _ClientWriter(request, response, upstream)
+    await to_client.prepare()
     pending = b""  # an incomplete line: rewrites only ever see whole lines
     try:
         async for chunk in upstream.content.iter_any():
@@ -112,15 +117,47 @@ async def relay_stream(
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
             if cut:
-                await response.write(transform(data[:cut], rewrite, usage))
+                await to_client.write(transform(data[:cut], rewrite, usage))
         if pending:
-            await response.write(transform(pending, rewrite, usage))
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            await to_client.write(transform(pending, rewrite, usage))
+    except (aiohttp.ClientError, TimeoutError) as exc:  # the replica's side (writes raise ClientClosed)
         # Bytes already went out: the status is sent, so the error travels as a final SSE event.
         error = BackendUnreachable(f"upstream stream broke: {exc!r}")
-        await response.write(b"data: " + error.json_bytes() + b"\n\n")
-    await response.write_eof()
+        await to_client.write(b"data: " + error.json_bytes() + b"\n\n")
+    await to_client.write_eof()
     return response
+
+
+class _ClientWriter:
+    """Writes to the client; a client that left becomes ``ClientClosed`` and closes the upstream response
+    (the replica sees its connection close and stops generating)."""
+
+    __slots__ = ("request", "response", "upstream")
+
+    def __init__(
+        self, request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse
+    ) -> None:
+        self.request, self.response, self.upstream = request, response, upstream
+
+    async def prepare(self) -> None:
+        with self._client_side():
+            await self.response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        with self._client_side():
+            await self.response.write(data)
+
+    async def write_eof(self) -> None:
+        with self._client_side():
+            await self.response.write_eof()
+
+    @contextlib.contextmanager
+    def _client_side(self) -> Iterator[None]:
+        try:
+            yield
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+            self.upstream.close()
+            raise ClientClosed("the client closed its connection mid-stream") from exc
 
 
 def transform(data: bytes, rewrite: ModelRewrite | None, usage: Usage) -> bytes:

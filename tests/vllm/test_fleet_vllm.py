@@ -19,11 +19,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.config import flag
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import complete
 from gateway.serving import free_port
+from gateway.settings_table import flag
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
 from tests.conftest import eventually

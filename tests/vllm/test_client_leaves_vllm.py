@@ -1,0 +1,112 @@
+"""A client that leaves: the real vLLM stops the generation, and nothing else happens (no retry elsewhere).
+
+Read from the replicas' ``/metrics``: ``vllm:prompt_tokens_total`` grows by one prompt per request that
+reaches a replica (so a duplicate shows), ``vllm:generation_tokens_total`` by the tokens generated, and
+``vllm:request_success_total`` counts requests that ran to their end (an aborted one is not counted).
+Requests ask the base model for 1,000 tokens, ignoring EOS, so a generation that is not stopped runs
+to its end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from gateway.vllm_process import VllmProcess
+from tests.conftest import eventually
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = "Once upon a time"
+LONG = {"model": "base", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+METRICS = {
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generated",
+    "vllm:request_success_total": "completed",
+    "vllm:num_requests_running": "running",
+}
+
+
+async def vllm_counts(http: aiohttp.ClientSession, replicas: list[VllmProcess]) -> Counter[str]:
+    """The metrics above, summed over every replica."""
+    counts: Counter[str] = Counter()
+    for replica in replicas:
+        async with http.get(f"{replica.url}/metrics") as response:
+            text = await response.text()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in METRICS:
+                counts[METRICS[name]] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+async def prompt_tokens(http: aiohttp.ClientSession, gateway: Gateway) -> int:
+    """What one request with PROMPT costs in prompt tokens (a one-token completion through kvgate)."""
+    body = {"model": "base", "prompt": PROMPT, "max_tokens": 1}
+    async with http.post(f"{gateway.url}/v1/completions", json=body) as response:
+        tokens: int = (await response.json())["usage"]["prompt_tokens"]
+        return tokens
+
+
+async def after_it_stopped(
+    http: aiohttp.ClientSession, replicas: list[VllmProcess], before: Counter[str], prompt: int
+) -> Counter[str]:
+    """Once a prompt reached a replica and nothing runs any more: what changed since ``before``."""
+    now: Counter[str] = Counter()
+
+    async def stopped() -> bool:
+        nonlocal now
+        now = await vllm_counts(http, replicas)
+        return now["prompt_tokens"] - before["prompt_tokens"] >= prompt and now["running"] == 0
+
+    await eventually(stopped, "the request reached vLLM and nothing runs", within=60.0)
+    return Counter({key: now[key] - before[key] for key in ("prompt_tokens", "generated", "completed")})
+
+
+async def retries(http: aiohttp.ClientSession, gateway: Gateway) -> float:
+    async with http.get(f"{gateway.url}/metrics") as response:
+        text = await response.text()
+    prefix = 'kvgate_routing_decisions_total{decision="retry"}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+async def replicas_healthy(http: aiohttp.ClientSession, gateway: Gateway) -> list[bool]:
+    headers = {"x-kvgate-admin-token": ADMIN_TOKEN}
+    async with http.get(f"{gateway.url}/kvgate/status", headers=headers) as response:
+        return [replica["healthy"] for replica in (await response.json())["replicas"]]
+
+
+async def test_a_client_that_closes_a_stream_stops_one_generation_and_nothing_else(
+    gateway: Gateway, vllm_replicas: list[VllmProcess], http: aiohttp.ClientSession
+) -> None:
+    prompt = await prompt_tokens(http, gateway)
+    before = await vllm_counts(http, vllm_replicas)
+    retries_before = await retries(http, gateway)
+    async with aiohttp.ClientSession() as client:
+        response = await client.post(f"{gateway.url}/v1/completions", json=LONG | {"stream": True})
+        assert response.status == 200
+        await response.content.readuntil(b"\n\n")
+        response.close()  # the client leaves mid-stream
+    since = await after_it_stopped(http, vllm_replicas, before, prompt)
+    assert since["prompt_tokens"] == prompt  # one request reached a replica: none was sent again
+    assert since["completed"] == 0  # it did not run to its end...
+    assert since["generated"] < 1000  # ...it was stopped
+    assert await retries(http, gateway) == retries_before
+    assert all(await replicas_healthy(http, gateway))
+
+
+async def test_a_client_that_leaves_a_pending_request_stops_its_generation(
+    gateway: Gateway, vllm_replicas: list[VllmProcess], http: aiohttp.ClientSession
+) -> None:
+    prompt = await prompt_tokens(http, gateway)
+    before = await vllm_counts(http, vllm_replicas)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as client:
+        with pytest.raises(TimeoutError):  # the client gives up and closes its connection
+            await client.post(f"{gateway.url}/v1/completions", json=LONG)
+    since = await after_it_stopped(http, vllm_replicas, before, prompt)
+    assert since["prompt_tokens"] == prompt
+    assert since["completed"] == 0
+    assert since["generated"] < 1000
