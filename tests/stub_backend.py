@@ -6,11 +6,15 @@ last request body it received so tests can see exactly what kvgate forwarded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
+
+_STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
 
 @dataclass
@@ -26,6 +30,7 @@ class StubState:
     resets: int = 0
     chunks: int = 4
     break_stream_after: int | None = None
+    hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
 
 
 STUB = web.AppKey("stub", StubState)
@@ -75,7 +80,13 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         msg = f"The model `{model}` does not exist."
         return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
     chat = request.path.endswith("chat/completions")
-    if not body.get("stream"):
+    try:
+        stream = _STREAM.validate_python(body.get("stream"))
+    except ValidationError:
+        error = {"message": "stream: Input should be a valid boolean", "type": "BadRequestError",
+                 "param": "stream", "code": 400}  # fmt: skip
+        return web.json_response({"error": error}, status=400)
+    if not stream:
         choice = {"index": 0, "finish_reason": "length"}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         return web.json_response(
@@ -94,6 +105,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                  "model": model, "choices": [{"index": 0, **delta, "finish_reason": None}]}  # fmt: skip
         await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+        if i == 0 and state.hold is not None:
+            await state.hold.wait()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -109,7 +122,7 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 def build_stub(state: StubState) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no body limit of its own
     app[STUB] = state
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
