@@ -10,15 +10,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 
 from gateway.config import Settings
-from gateway.core.errors import BodyTooLarge, KvgateError
+from gateway.core.errors import BadRequest, BodyTooLarge, KvgateError
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
@@ -52,27 +54,72 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-style JSON body with its own status."""
+    """The one error boundary: every error leaves as an OpenAI-style JSON body with its own status.
+
+    An error kvgate expects (a client's, a replica's) is one log line; anything else is a bug in kvgate:
+    a 500 whose body says no more than that, logged once with its traceback. Once a response has begun
+    (a stream), nothing else can be sent: aiohttp closes the connection and logs the error once. A client
+    that left mid-request is nobody's bug: aiohttp logs it in one line (``ServerLog``).
+    """
     try:
         return await handler(request)
     except KvgateError as exc:
-        return _error_response(exc)
+        error = exc
     except web.HTTPRequestEntityTooLarge:
-        return _error_response(BodyTooLarge("request body is over the configured limit"))
+        error = BodyTooLarge("request body is over the configured limit")
+    except web.RequestPayloadError as exc:  # e.g. a body that is not what its Content-Encoding says
+        error = BadRequest(f"request body could not be read: {_one_line(exc)}")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error_response(_http_error(exc))
+        error = _http_error(exc)
+    except ConnectionError:
+        raise
+    except Exception:
+        if request.writer.output_size:
+            raise
+        log.exception("%s %r failed inside kvgate (a bug): 500", request.method, request.raw_path)
+        return _error_response(KvgateError("kvgate failed on this request (an internal error, logged)"))
+    log.log(
+        logging.INFO if error.status < 500 else logging.WARNING,
+        "%s %r: %d %s %r", request.method, request.raw_path, error.status, error.type, error.message,
+    )  # fmt: skip
+    return _error_response(error)
 
 
 def _http_error(exc: web.HTTPException) -> KvgateError:
-    error = KvgateError(exc.reason)
+    error = BadRequest(exc.reason) if exc.status < 500 else KvgateError(exc.reason)
     error.status = exc.status  # aiohttp's own errors (404 route, 405 method) keep their status
+    if "Allow" in exc.headers:
+        error.headers = {"Allow": exc.headers["Allow"]}
     return error
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def _error_response(exc: KvgateError) -> web.Response:
-    return web.Response(body=exc.json_bytes(), status=exc.status, content_type="application/json")
+    return web.Response(
+        body=exc.json_bytes(), status=exc.status, content_type="application/json", headers=exc.headers
+    )
+
+
+class ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log (``aiohttp.server``) as kvgate wants it: a request the HTTP parser refused
+    (a client's malformed request line or header) is one line at most at INFO, not a traceback per
+    connection, and so is a client that left mid-request; whatever else aiohttp logs keeps its traceback."""
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError | web.RequestPayloadError | ConnectionError):
+            # aiohttp's message for a parse error points at the offending byte, over several lines
+            broke = isinstance(exc, ConnectionError)
+            detail = f"the connection broke: {exc!r}" if broke else _one_line(exc)
+            msg, args = f"{msg}: %s", (*args, detail)
+            kwargs["exc_info"] = None
+            level = min(level, logging.INFO)
+        super().log(level, msg, *args, **kwargs)
 
 
 def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
@@ -89,7 +136,11 @@ def build_app(
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors],
+        handler_args={"logger": ServerLog(logging.getLogger("aiohttp.server"))},
+    )
     app[SETTINGS] = settings
     app[METRICS] = metrics = metrics or Metrics()
     app[TRACER] = tracer_from(tracer_provider)

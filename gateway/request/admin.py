@@ -32,9 +32,17 @@ class Admin:
         self.index = index
 
     def check(self, request: web.Request) -> None:
-        """A constant-time token check; always refused when kvgate has no admin token."""
-        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.token
-        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+        """A constant-time token check of UTF-8 bytes; always refused when kvgate has no admin token.
+
+        aiohttp hands over header bytes that are not UTF-8 as surrogate escapes: such a header is refused
+        (it never matches, whatever the configured token holds), and it is never an error of kvgate's.
+        """
+        given, expected = _utf8(request.headers.get(ADMIN_TOKEN_HEADER, "")), self.token
+        if (
+            expected is None
+            or given is None
+            or not hmac.compare_digest(given, expected.encode("utf-8", "surrogatepass"))
+        ):
             raise Unauthorized(
                 f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
             )
@@ -75,6 +83,14 @@ class Admin:
             "prefix_index_entries": len(self.index),
         }
         return web.json_response(doc)
+
+
+def _utf8(text: str) -> bytes | None:
+    """``text`` as UTF-8, or None when it holds surrogates (bytes that were not UTF-8)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
 
 
 def list_models(snapshot: Snapshot, base_model: str) -> web.Response:
