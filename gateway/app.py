@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 import aiohttp
@@ -24,7 +24,6 @@ from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
-from gateway.core.errors import BodyTooLarge, KvgateError
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
@@ -37,6 +36,7 @@ from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
+from gateway.request.boundary import ServerLog, openai_errors
 from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.serving import EDGE, EdgeLimits
@@ -69,33 +69,6 @@ CALLERS = web.AppKey("callers", Callers)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-style JSON body with its own status."""
-    try:
-        return await handler(request)
-    except KvgateError as exc:
-        return _error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        return _error_response(BodyTooLarge("request body is over the configured limit"))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error_response(_http_error(exc))
-
-
-def _http_error(exc: web.HTTPException) -> KvgateError:
-    error = KvgateError(exc.reason)
-    error.status = exc.status  # aiohttp's own errors (404 route, 405 method) keep their status
-    return error
-
-
-def _error_response(exc: KvgateError) -> web.Response:
-    return web.Response(body=exc.json_bytes(), status=exc.status, content_type="application/json")
-
 
 def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
     """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
@@ -117,7 +90,11 @@ def build_app(
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors],
+        handler_args={"logger": ServerLog(logging.getLogger("aiohttp.server"))},
+    )
     app[SETTINGS] = settings
     app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (gateway.serving)
     app[METRICS] = metrics = metrics or Metrics()

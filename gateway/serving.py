@@ -101,8 +101,12 @@ async def running(
     loop = asyncio.get_running_loop()
     port = port or free_port()
 
+    handler_args = {  # the app's handler_args (its server logger), as aiohttp's own Server passes them
+        key: value for key, value in server._kwargs.items() if key not in ("access_log", "keepalive_timeout")
+    }
+
     def connection() -> EdgeConnection:
-        return EdgeConnection(server, loop=loop, limits=limits, addresses=addresses)
+        return EdgeConnection(server, loop=loop, limits=limits, addresses=addresses, **handler_args)
 
     listener = await loop.create_server(connection, host, port, backlog=BACKLOG)
     try:

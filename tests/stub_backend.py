@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
+
+_STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class StubState:
     cancelled: int = 0  # completions whose caller left (connection closed) before the end
     finished: int = 0  # completions answered to the end
     prompts: Counter[str] = field(default_factory=Counter)  # completions per prompt
+    hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
 
 
 STUB = web.AppKey("stub", StubState)
@@ -99,7 +103,13 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
         msg = f"The model `{model}` does not exist."
         return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
     chat = request.path.endswith("chat/completions")
-    if not body.get("stream"):
+    try:
+        stream = _STREAM.validate_python(body.get("stream"))
+    except ValidationError:
+        error = {"message": "stream: Input should be a valid boolean", "type": "BadRequestError",
+                 "param": "stream", "code": 400}  # fmt: skip
+        return web.json_response({"error": error}, status=400)
+    if not stream:
         if state.reply_delay:
             await asyncio.sleep(state.reply_delay)
         choice = {"index": 0, "finish_reason": "length"}
@@ -122,6 +132,8 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
         chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                  "model": model, "choices": [{"index": 0, **delta, "finish_reason": None}]}  # fmt: skip
         await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+        if i == 0 and state.hold is not None:
+            await state.hold.wait()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -147,7 +159,7 @@ async def _prompts(request: web.Request) -> web.Response:
 
 
 def build_stub(state: StubState) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no body limit of its own
     app[STUB] = state
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)

@@ -39,6 +39,7 @@ from typing import ClassVar
 class KvgateError(Exception):
     status: int = 500
     type: ClassVar[str] = "internal_error"
+    headers: dict[str, str] | None = None  # response headers the error needs (``Allow`` on a 405)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -25,9 +25,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_SUFFIX = ".safetensors"
 MAX_FILES = 256
 
-_LOGICAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+# Matched whole (``fullmatch``): ``$`` also matches before a trailing newline, which let ``"id\n"`` through.
+_LOGICAL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +37,14 @@ class ManifestEntry:
     size: int
 
 
+def is_logical_id(name: str) -> bool:
+    """Whether ``name`` could be a logical ID: 1-128 of [A-Za-z0-9._-], first a letter or digit."""
+    return _LOGICAL_ID.fullmatch(name) is not None
+
+
 def check_logical_id(logical_id: str) -> str:
     """Logical IDs are plain names: no ``@`` (versioned names use it), no braces (Redis hash tags)."""
-    if not _LOGICAL_ID.match(logical_id):
+    if not is_logical_id(logical_id):
         raise InvalidAdapter(
             f"invalid logical ID {logical_id!r}: use 1-128 of [A-Za-z0-9._-], first a letter or digit",
             param="model",
@@ -47,7 +53,7 @@ def check_logical_id(logical_id: str) -> str:
 
 
 def check_digest(digest: str) -> str:
-    if not _DIGEST.match(digest):
+    if not _DIGEST.fullmatch(digest):
         raise InvalidAdapter(f"not a blake3 hex digest: {digest!r}", param="digest")
     return digest
 
@@ -100,7 +106,7 @@ def _walk(root: Path, prefix: str, out: list[ManifestEntry]) -> None:
         raise InvalidAdapter(f"cannot list {str(root / prefix)!r}: {exc.strerror}") from exc
     for child in children:
         relpath = f"{prefix}/{child.name}" if prefix else child.name
-        if not _FILE_NAME.match(child.name) or child.name in {".", ".."}:
+        if not _FILE_NAME.fullmatch(child.name) or child.name in {".", ".."}:
             raise InvalidAdapter(f"refusing file name {relpath!r}")
         mode = child.stat(follow_symlinks=False).st_mode
         if stat.S_ISLNK(mode):

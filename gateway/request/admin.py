@@ -53,11 +53,19 @@ class Admin:
         self.quarantine = quarantine
 
     def check(self, request: web.Request) -> None:
-        """A constant-time token check; always refused when kvgate has no admin token."""
+        """A constant-time token check of UTF-8 bytes; always refused when kvgate has no admin token.
+
+        aiohttp hands over header bytes that are not UTF-8 as surrogate escapes: such a header is refused
+        (it never matches, whatever the configured token holds), and it is never an error of kvgate's.
+        """
         if not request.app.get(ADMIN_SURFACE, True):
             raise Unauthorized("the admin surface is served on kvgate's admin listener only")
-        token, expected = request.headers.get(ADMIN_TOKEN_HEADER, ""), self.token
-        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+        given, expected = _utf8(request.headers.get(ADMIN_TOKEN_HEADER, "")), self.token
+        if (
+            expected is None
+            or given is None
+            or not hmac.compare_digest(given, expected.encode("utf-8", "surrogatepass"))
+        ):
             raise Unauthorized(
                 f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
             )
@@ -102,6 +110,14 @@ class Admin:
             "quarantined": [asdict(finding) for finding in self.quarantine.findings()],
         }
         return web.json_response(doc)
+
+
+def _utf8(text: str) -> bytes | None:
+    """``text`` as UTF-8, or None when it holds surrogates (bytes that were not UTF-8)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
 
 
 def list_models(snapshot: Snapshot, base_model: str, caller: Caller | None = None) -> web.Response:

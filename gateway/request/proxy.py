@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import io
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,21 +24,21 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
+from gateway.core.body import Body, decode, splice
 from gateway.core.errors import (
     BackendUnreachable,
-    BadRequest,
     BodyTooLarge,
     ClientClosed,
     KvgateError,
     NoEligibleReplica,
     VersionUnloading,
 )
+from gateway.core.identity import is_logical_id
 from gateway.core.model import Target
-from gateway.core.prefix import block_keys, prompt_text
+from gateway.core.prefix import block_keys
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.core.wire import (
     AUTHORIZATION_HEADER,
-    CLIENT_NAMESPACE_FIELDS,
     cache_salt,
     cold_salt,
     replica_id,
@@ -58,6 +58,12 @@ from gateway.telemetry.metrics import UNKNOWN, Metrics
 
 log = logging.getLogger(__name__)
 
+INLINE_PARSE_BYTES = 64 * 1024
+"""Bodies larger than this are decoded in a worker thread, one at a time: orjson holds the GIL while it
+parses, so two at once could keep the event loop waiting for both; one at a time, for one at most."""
+CHUNKED_SEND_BYTES = 1024 * 1024
+"""Upstream bodies larger than this go out in 64 KiB writes, with the event loop free between them."""
+
 
 @dataclass(frozen=True, slots=True)
 class ProxyOptions:
@@ -70,11 +76,21 @@ class ProxyOptions:
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    body: dict[str, Any]
+    decoded: Body
     raw: bytes
-    model: str
-    stream: bool
     admin: AdminOptions
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.decoded.doc
+
+    @property
+    def model(self) -> str:
+        return self.decoded.model
+
+    @property
+    def stream(self) -> bool:
+        return self.decoded.stream
 
 
 class Proxy:
@@ -112,6 +128,7 @@ class Proxy:
             r.url: r.url if options.expose_replica_urls else replica_id(r.url) for r in pool.replicas
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
+        self.decoding = asyncio.Semaphore(1)  # large bodies, decoded off the event loop one at a time
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
@@ -177,17 +194,13 @@ class Proxy:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("you must provide a model parameter", param="model")
+        if len(raw) <= INLINE_PARSE_BYTES:
+            decoded = decode(raw)
+        else:
+            async with self.decoding:
+                decoded = await asyncio.to_thread(decode, raw)
         admin = self.admin.options(request)
-        return ParsedRequest(body, raw, model, stream=body.get("stream") is True, admin=admin)
+        return ParsedRequest(decoded, raw, admin)
 
     # --- stage 2: resolve ------------------------------------------------------------------------
 
@@ -199,13 +212,13 @@ class Proxy:
             base = self.options.base_identity
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
             return Target(parsed.model, base, None, salt, [])
-        version = self.snapshot.get(parsed.model)
-        if version is None or not may_use(caller, parsed.model):
-            raise not_found(parsed.model)
+        version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
+        if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
+            raise not_found(parsed.model)  # or one the caller may not use, is never served
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [])
         salt = cache_salt(self.snapshot.generation, version)
-        return Target(parsed.model, version.base, version, salt, block_keys(salt, prompt_text(parsed.body)))
+        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.decoded.prompt))
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
@@ -228,23 +241,23 @@ class Proxy:
 
     # --- stage 4: forward ------------------------------------------------------------------------
 
-    def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes:
-        if (
-            target.version is None
-            and target.salt is None
-            and not any(field in parsed.body for field in CLIENT_NAMESPACE_FIELDS)
-        ):
-            return parsed.raw
-        body = dict(parsed.body)
-        for field in CLIENT_NAMESPACE_FIELDS:  # a client never chooses a cache namespace
-            body.pop(field, None)
-        if target.version is not None:
-            body["model"] = target.version.name
-            if target.salt is not None and self.options.namespaces:
-                self.dialect.set_cache_namespace(body, target.salt)
-        elif target.salt is not None and self.dialect.cache_namespaces:  # the tenant's base namespace
-            self.dialect.set_cache_namespace(body, target.salt)
-        return json.dumps(body, separators=(",", ":")).encode()
+    def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes | io.BytesIO:
+        """The client's body as it came, or, when kvgate must change it, the body serialized once at parse
+        time without ``model`` and the client's namespace fields (a client never chooses a cache
+        namespace) with the gateway's own members spliced in: nothing is serialized again here.
+        A large body is wrapped in a BytesIO (no copy), which aiohttp sends in chunks."""
+        if target.version is None and target.salt is None and not parsed.decoded.namespaced:
+            body = parsed.raw
+        else:
+            owned = {"model": target.version.name if target.version is not None else parsed.model}
+            if target.version is not None:
+                namespaced = self.options.namespaces  # the version's namespace (version-scoped invalidation)
+            else:
+                namespaced = self.dialect.cache_namespaces  # the tenant's base-model namespace
+            if target.salt is not None and namespaced:
+                self.dialect.set_cache_namespace(owned, target.salt)
+            body = splice(parsed.decoded.rest, owned)
+        return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
 
     async def forward(
         self,
