@@ -15,7 +15,6 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
-from redis.asyncio import Redis
 
 from gateway.config import Settings
 from gateway.core.errors import BodyTooLarge, KvgateError
@@ -28,6 +27,7 @@ from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import Admin, list_models
 from gateway.request.proxy import Proxy, ProxyOptions
+from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -84,7 +84,7 @@ def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
 
 def build_app(
     settings: Settings,
-    redis: Redis,
+    redis: RedisClient,
     *,
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
@@ -95,7 +95,7 @@ def build_app(
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
-    app[TABLE] = EpochTable(redis, tracer=app[TRACER])
+    app[TABLE] = EpochTable(redis, tracer=app[TRACER], ack_timeout=settings.redis_ack_timeout)
     app[ACTIVITY] = {}
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)

@@ -22,7 +22,6 @@ import aiohttp
 import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
-from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
@@ -44,6 +43,7 @@ from gateway.proof.audit import (
 )
 from gateway.proof.audit import to_json as audit_json
 from gateway.serving import running
+from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable, assemble_script, operation_names
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.tracing import tracer_from, tracer_provider_from_env
@@ -122,11 +122,8 @@ async def open_table(settings: Settings, tracing: TracerProvider | None) -> Asyn
         url = settings.redis_url
         if url is None:
             url = stack.enter_context(EmbeddedRedis(settings.data_dir)).url
-        redis = Redis.from_url(url, health_check_interval=10)
-        try:
-            yield EpochTable(redis, tracer=tracer_from(tracing))
-        finally:
-            await redis.aclose()
+        async with connect(url) as redis:  # one server, a Sentinel-managed master, or a Cluster
+            yield EpochTable(redis, tracer=tracer_from(tracing), ack_timeout=settings.redis_ack_timeout)
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:

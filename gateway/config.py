@@ -48,7 +48,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".kvgate")
     """Holds the embedded Redis (its data and socket)."""
     redis_url: str | None = None
-    """Use this Redis instead of the embedded one."""
+    """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (README: Redis)."""
+    redis_ack_timeout: float = Field(1.0, ge=0, le=4)
+    """Seconds publish, rollback and bump wait for one Redis replica to acknowledge their write (``WAIT``),
+    when the master has replicas; 0: do not wait; at most 4 (the Redis client's socket timeout is 5)."""
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
     """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
@@ -149,7 +153,13 @@ COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo")
 _EVERY_COMMAND = frozenset({"store", "data_dir", "redis_url", "base_model", "base_model_root", "backend"})
 _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
-    "audit": frozenset({"connect_timeout", "read_timeout", "reconcile_interval", "admin_token"}),
+    "audit": frozenset(
+        {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "redis_ack_timeout"}
+    ),
+    # the commands that change the table wait for a Redis replica's acknowledgement
+    "publish": frozenset({"redis_ack_timeout"}),
+    "rollback": frozenset({"redis_ack_timeout"}),
+    "bump": frozenset({"redis_ack_timeout"}),
 }
 _FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
 _METAVARS = {"replicas": "URL"}
