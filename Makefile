@@ -7,9 +7,16 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing apt-redis
 
-setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done
+setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done apt-redis
+
+# Debian's redis-server and redis-sentinel: the failover tests start their own masters, replicas, sentinels
+# and cluster nodes on free ports (never the system service's 6379/26379). Installed only when missing: the
+# check is the stamp, so a removed package is noticed.
+apt-redis:
+	(command -v redis-server && command -v redis-sentinel) >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel)
 
 # kvgate itself, its tests, linter and type checker (light: no torch here).
 $(VENV)/.done: pyproject.toml

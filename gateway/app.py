@@ -20,7 +20,6 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
-from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
@@ -41,6 +40,7 @@ from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.serving import EDGE, EdgeLimits
 from gateway.table.callers import Callers, CallerSync, CallerTable
+from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
@@ -85,7 +85,7 @@ def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
 
 def build_app(
     settings: Settings,
-    redis: Redis,
+    redis: RedisClient,
     *,
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
@@ -101,7 +101,7 @@ def build_app(
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
-    app[TABLE] = EpochTable(redis, tracer=app[TRACER])
+    app[TABLE] = EpochTable(redis, tracer=app[TRACER], ack_timeout=settings.ack_within)
     app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
     app[DRAIN] = Drain()

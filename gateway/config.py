@@ -47,7 +47,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".kvgate")
     """Holds the embedded Redis (its data and socket)."""
     redis_url: str | None = None
-    """Use this Redis instead of the embedded one."""
+    """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (README: Redis)."""
+    redis_ack_timeout: float = Field(1.0, ge=0)
+    """Seconds publish, rollback and bump wait for one Redis replica to acknowledge their write (``WAIT``),
+    when the master has replicas; 0: do not wait; at most half of redis_timeout."""
     redis_timeout: float = Field(5.0, gt=0)
     """Seconds Redis may take to answer (a stalled one is then an error, never replaced by a second one)."""
 
@@ -159,6 +163,11 @@ class Settings(BaseSettings):
         if self.admin_port and (self.admin_host, self.admin_port) == (self.host, self.port):
             raise ValueError(f"admin_port ({self.admin_port}) must differ from port: it is a second listener")
         return self
+
+    @property
+    def ack_within(self) -> float:
+        """How long a change waits for a replica's ``WAIT``: within the client's wait for any answer."""
+        return min(self.redis_ack_timeout, self.redis_timeout / 2)
 
     @property
     def base_identity(self) -> str:

@@ -1,4 +1,5 @@
-"""How a command reaches the epoch table: the configured Redis, or the embedded one under ``--data-dir``."""
+"""How a command reaches the epoch table: the configured Redis (one server, Sentinel or a Cluster), or the
+embedded one under ``--data-dir``."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from opentelemetry.sdk.trace import TracerProvider
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.config import Settings
 from gateway.core.errors import TableUnavailable
 from gateway.periodic import background
+from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.tracing import tracer_from
@@ -34,15 +35,10 @@ async def open_table(
             else:
                 stack.enter_context(server.using())
             url = server.url
-        redis = Redis.from_url(
-            url,
-            health_check_interval=10,
-            socket_timeout=settings.redis_timeout,
-            socket_connect_timeout=settings.redis_timeout,
-        )
         try:
-            yield EpochTable(redis, tracer=tracer_from(tracing))
+            async with connect(
+                url, answer_within=settings.redis_timeout
+            ) as redis:  # a server, Sentinel, a Cluster
+                yield EpochTable(redis, tracer=tracer_from(tracing), ack_timeout=settings.ack_within)
         except RedisError as exc:
             raise TableUnavailable(f"the epoch table's Redis failed: {exc}") from exc
-        finally:
-            await redis.aclose()

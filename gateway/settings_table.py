@@ -24,12 +24,14 @@ COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo", "
 _EVERY_COMMAND = frozenset(
     {"store", "data_dir", "redis_url", "redis_timeout", "base_model", "base_model_root", "backend"}
 )
+_ACKED = frozenset({"redis_ack_timeout"})  # the commands that change the table wait for a replica's ack
 _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
-    "audit": frozenset(
-        {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"}
-    ),
-    "publish": frozenset({"max_adapter_bytes"}),
+    "audit": _ACKED
+    | {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"},
+    "publish": _ACKED | {"max_adapter_bytes"},
+    "rollback": _ACKED,
+    "bump": _ACKED,
 }
 _FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
 _METAVARS = {"replicas": "URL"}

@@ -63,6 +63,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "store": ("/srv/store", Path("/srv/store")),
     "data_dir": ("/srv/kvgate", Path("/srv/kvgate")),
     "redis_url": ("redis://cache:6379/0", "redis://cache:6379/0"),
+    "redis_ack_timeout": ("0.25", 0.25),
     "backend": ("sglang", "sglang"),
     "invalidation": ("purge-all", "purge-all"),
     "base_model": ("llama", "llama"),

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from blake3 import blake3
-from redis.asyncio import Redis
 
 from gateway.core.errors import BadRequest, CallerNotFound, InvalidAdapter, KeysUnavailable
 from gateway.core.identity import check_logical_id
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
+from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import REDIS_DOWN, Clock, wall_clock_ms
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def _text(value: bytes | str) -> str:
 
 
 class CallerTable:
-    def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms) -> None:
+    def __init__(self, redis: RedisClient, *, clock: Clock = wall_clock_ms) -> None:
         self.redis = redis
         self.clock = clock
 

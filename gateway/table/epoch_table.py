@@ -5,6 +5,11 @@ Every mutation is one script (atomic, one Cluster slot, publishes a hint). Each 
 prints the same text for ``redis-cli --eval``). The status codes are the lib's ``CODE`` table, which
 ``codes()`` reads from that same file; ``_raise_for`` is the one place that maps them to exceptions.
 ``now`` is passed in (ms) so tests control time.
+
+The table runs on any ``RedisClient`` (one server, Sentinel-managed, or a Cluster: every script's keys
+share one hash slot). Publish, rollback and bump wait for one Redis replica to acknowledge their writes
+when the server that ran them has replicas (``write_acked``), so an acknowledged change survives a
+failover; if none acknowledges within ``ack_timeout`` the change stands and a warning says it may not.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import re
 import secrets
 import time
@@ -24,17 +30,25 @@ from typing import Any
 
 import redis.exceptions
 from opentelemetry.trace import NoOpTracer, Span, Tracer
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from gateway.core.errors import BadRequest, EpochTableError, ModelNotFound, VersionNotFound
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
+from gateway.table.connection import RedisClient, write_acked
 from gateway.telemetry import tracing as attr
 
+log = logging.getLogger(__name__)
 Clock = Callable[[], int]
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+REDIS_DOWN = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,  # a Cluster answering CLUSTERDOWN while it fails over
+    OSError,
+)
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
+ACK_TIMEOUT = 1.0
+"""Seconds a publish, rollback or bump waits for a Redis replica's acknowledgement, by default."""
 
 
 def wall_clock_ms() -> int:
@@ -106,16 +120,48 @@ def codes() -> Mapping[str, int]:
 
 
 class EpochTable:
-    def __init__(self, redis: Redis, *, clock: Clock = wall_clock_ms, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        *,
+        clock: Clock = wall_clock_ms,
+        tracer: Tracer | None = None,
+        ack_timeout: float = ACK_TIMEOUT,
+    ) -> None:
         self.redis = redis
         self.clock = clock
         self.tracer = tracer or NoOpTracer()
+        self.ack_timeout = ack_timeout
         self.scripts: dict[str, AsyncScript] = {
             name: redis.register_script(assemble_script(name)) for name in operation_names()
         }
 
     async def run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         return await self.scripts[script](keys=list(keys_), args=list(args))
+
+    async def _run_acked(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
+        """``_run`` for a change that must survive a failover: a replica of its server acknowledges it."""
+        registered = self.scripts[script]
+        # Loaded first: a NOSCRIPT inside the pipeline would still run its WAIT, for nothing.
+        if not all(await self.redis.script_exists(registered.sha)):  # a new master after a failover, say
+            await self.redis.script_load(registered.script)
+        command = ("EVALSHA", registered.sha, len(keys_), *keys_, *args)
+        try:
+            return await self._acked(command, keys_[0], f"{script} on {keys_[0]}")
+        except redis.exceptions.NoScriptError:  # the master changed between the check and the run
+            await self.redis.script_load(registered.script)
+            return await self._acked(command, keys_[0], f"{script} on {keys_[0]}")
+
+    async def _acked(self, command: Sequence[str | int], key: str, what: str) -> Any:
+        answer, acked = await write_acked(self.redis, key, command, self.ack_timeout)
+        if acked == 0:
+            log.warning(
+                "%s: no Redis replica acknowledged it within %g s; the write stands on the master, "
+                "but a failover before it replicates would lose it",
+                what,
+                self.ack_timeout,
+            )
+        return answer
 
     @contextlib.contextmanager
     def _span(self, name: str, logical_id: str, digest: str = "") -> Iterator[Span]:
@@ -127,8 +173,9 @@ class EpochTable:
 
     # --- mutations -------------------------------------------------------------------------------
 
-    async def ensure_generation(self) -> str:
-        return _text(await self.run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
+    async def ensure_generation(self, *, acked: bool = False) -> str:
+        run = self._run_acked if acked else self.run
+        return _text(await run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
 
     async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
         with self._span("kvgate.publish", logical_id, digest=digest) as span:
@@ -137,9 +184,9 @@ class EpochTable:
             return change
 
     async def _publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
-        await self.ensure_generation()
-        await self.redis.sadd(keys.IDS, logical_id)
-        code, epoch = await self.run(
+        await self.ensure_generation(acked=True)  # on a Cluster, these two live on other servers
+        await self._acked(("SADD", keys.IDS, logical_id), keys.IDS, f"adding {logical_id!r} to {keys.IDS}")
+        code, epoch = await self._run_acked(
             "publish_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
             [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
@@ -156,7 +203,7 @@ class EpochTable:
             return change
 
     async def _rollback(self, logical_id: str, digest: str, base: str) -> Change:
-        code, epoch, target = await self.run(
+        code, epoch, target = await self._run_acked(
             "rollback_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
             [logical_id, digest, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, keys.DIGEST_PREFIX_MIN],
@@ -171,7 +218,7 @@ class EpochTable:
             return change
 
     async def _bump(self, logical_id: str) -> Change:
-        code, epoch = await self.run(
+        code, epoch = await self._run_acked(
             "bump_epoch",
             [keys.state(logical_id), keys.history(logical_id)],
             [logical_id, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
