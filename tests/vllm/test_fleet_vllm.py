@@ -8,6 +8,7 @@ A is a kvgate in this process (``make_gateway``); B is ``kvgate serve`` as a chi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -65,19 +66,21 @@ async def kvgate_process(
 async def long_stream(
     http: aiohttp.ClientSession, url: str, model: str, replica: VllmProcess, started: asyncio.Event
 ) -> tuple[int, bool]:
-    """A streamed completion of 400 tokens through ``url`` pinned to ``replica``: (chunks, broke)."""
+    """A streamed completion of 400 tokens through ``url`` pinned to ``replica``: (the completion tokens
+    its final usage reports, whether an error event came)."""
     body = {"model": model, "prompt": "Count the boats:", "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
-    chunks, broke = 0, False
+    generated, broke = 0, False
     async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
             if line.startswith(b"data: {"):
-                broke = broke or b'"error"' in line
-                chunks += 1
+                chunk = json.loads(line[len(b"data: ") :])
+                broke = broke or "error" in chunk
+                generated = (chunk.get("usage") or {}).get("completion_tokens", generated)
                 started.set()
-    return chunks, broke
+    return generated, broke
 
 
 async def publish(logical_id: str, adapter: Path, redis_server: EmbeddedRedis, store: Path) -> dict[str, str]:
