@@ -40,9 +40,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from gateway.config import Settings
-from gateway.core.errors import KvgateError, RequestTimeout, TooManyConnections
+from gateway.core.errors import BadRequest, KvgateError, RequestTimeout, TooManyConnections
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +162,25 @@ class EdgeConnection(RequestHandler):
         self.partial = False  # bytes of a request head arrived while its deadline runs
         self.body: StreamReader | None = None  # the body being received, under the body deadline
         self.discarding = False  # timed out: input is dropped until the connection closes (LINGER)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A request the HTTP parser refused (or a failure below the app) gets an OpenAI-style JSON body
+        too, not aiohttp's plain text; aiohttp logs it (one line, through the app's server logger)."""
+        super().handle_error(request, status, exc, message)  # logs it; raises if a response has begun
+        if status >= 500:
+            error = KvgateError("kvgate failed on this connection (an internal error, logged)")
+        else:
+            error = BadRequest(f"malformed HTTP request: {' '.join(str(exc or message).split())}")
+        error.status = status
+        response = web.Response(body=error.json_bytes(), status=status, content_type="application/json")
+        response.force_close()
+        return response
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)

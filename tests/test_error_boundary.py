@@ -162,7 +162,7 @@ async def test_a_client_error_is_one_log_line_without_a_traceback(
     assert "404" in lines[0].getMessage()
 
 
-async def test_malformed_http_is_a_400_and_one_log_line(
+async def test_malformed_http_is_a_json_400_and_one_log_line(
     redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="aiohttp.server")
@@ -170,9 +170,12 @@ async def test_malformed_http_is_a_400_and_one_log_line(
         bad_header = b"GET /healthz HTTP/1.1\r\nHost: kvgate\r\nBad Header\r\nConnection: close\r\n\r\n"
         answer = await raw_request(edge.url, bad_header)
         assert answer.status == 400
+        error = assert_openai_error(answer.headers["content-type"], answer.body, answer.status)
+        assert "malformed HTTP request" in error["message"]
         too_long = b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: kvgate\r\nConnection: close\r\n\r\n"
         answer = await raw_request(edge.url, too_long)
         assert answer.status in {400, 414}
+        assert_openai_error(answer.headers["content-type"], answer.body, answer.status)
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert len(records) == 2, [r.getMessage() for r in records]
     for record in records:
