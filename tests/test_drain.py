@@ -19,7 +19,7 @@ from gateway.serving import free_port, running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 
 
@@ -52,9 +52,12 @@ async def test_sigterm_drains_then_exits_0(
                 texts = [(await anext(aiter(stream))).choices[0].text]
                 assert await redis.hkeys(keys.leases(stub)), "the running stream holds a lease"
                 server.send_signal(signal.SIGTERM)
-                async with http.get(f"{url}/healthz") as health:
-                    assert health.status == 503
-                    assert (await health.json())["draining"] is True
+
+                async def draining() -> bool:  # as soon as the process has taken the signal
+                    async with http.get(f"{url}/healthz") as health:
+                        return health.status == 503 and (await health.json())["draining"] is True
+
+                await eventually(draining, "/healthz answers 503 draining", within=5)
                 with pytest.raises(openai.APIStatusError) as refused:
                     await api.completions.create(model="tenant-42", prompt="p", max_tokens=1)
                 texts += [chunk.choices[0].text async for chunk in stream]
