@@ -28,6 +28,8 @@ class StubState:
     chunks: int = 4
     chunk_delay: float = 0.0  # seconds between stream chunks (an LLM's pace)
     break_stream_after: int | None = None
+    listings: int = 0  # GET /v1/models answered or being answered
+    listing_gate: asyncio.Event | None = None  # while set to an unset event, /v1/models waits for it
 
 
 STUB = web.AppKey("stub", StubState)
@@ -39,6 +41,9 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STUB]
+    state.listings += 1
+    if state.listing_gate is not None:  # a replica whose API stalls
+        await state.listing_gate.wait()
     data = [{"id": state.base, "object": "model", "root": state.base_root, "parent": None}]
     data += [{"id": n, "object": "model", "root": r, "parent": state.base} for n, r in state.adapters.items()]
     return web.json_response({"object": "list", "data": data})
