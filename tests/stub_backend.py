@@ -42,6 +42,8 @@ class StubState:
     finished: int = 0  # completions answered to the end
     prompts: Counter[str] = field(default_factory=Counter)  # completions per prompt
     hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
+    listings: int = 0  # GET /v1/models answered or being answered
+    listing_gate: asyncio.Event | None = None  # while set to an unset event, /v1/models waits for it
 
 
 STUB = web.AppKey("stub", StubState)
@@ -53,6 +55,9 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STUB]
+    state.listings += 1
+    if state.listing_gate is not None:  # a replica whose API stalls
+        await state.listing_gate.wait()
     data = [{"id": state.base, "object": "model", "root": state.base_root, "parent": None}]
     data += [{"id": n, "object": "model", "root": r, "parent": state.base} for n, r in state.adapters.items()]
     return web.json_response({"object": "list", "data": data})

@@ -3,6 +3,7 @@ publish, a bump, and another kvgate's load or unload through pub/sub (stub repli
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.core.identity import versioned_name
 from gateway.serving import running
+from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
@@ -74,3 +76,42 @@ async def test_publish_bump_load_and_unload_reach_every_kvgate_by_hints(
                 )
             v2 = raw.headers["x-kvgate-version"]
             await eventually(lambda: b_sees({v2}), "B sees A's unload (budget 1) and load")
+
+
+async def test_a_stalled_replica_listing_does_not_hold_back_the_tables_hints(
+    redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    """Seen while measuring the chaos run: the hint listener re-read a hinted replica's listing inline, so
+    while a busy replica took its time to answer ``/v1/models`` (up to 0.7 s there), the table's hints
+    (publishes, bumps) waited behind it; a replica that stalls held them back for good."""
+    store = AdapterStore(tmp_path / "store")
+    artifact = store.ingest(make_adapter(b"v1"))
+    name = versioned_name("tenant-42", artifact.digest)
+    await table.publish("tenant-42", artifact.digest, name, str(artifact.path), "base")
+    state = StubState()
+    async with running(build_stub(state)) as stub:
+        settings = Settings(replicas=[stub], store=store.root, admin_token=TOKEN, reconcile_interval=SLOW,
+                            poll_interval=SLOW)  # fmt: skip
+        async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
+
+            async def epoch() -> int:
+                async with http.get(f"{url}/kvgate/status", headers={"x-kvgate-admin-token": TOKEN}) as r:
+                    return int((await r.json())["versions"]["tenant-42"]["epoch"])
+
+            state.listing_gate = gate = asyncio.Event()
+            try:
+                listed = state.listings
+                await redis.publish(keys.HINTS, keys.REPLICA_HINT_PREFIX + stub)  # another kvgate's load
+
+                async def hinted_listing_started() -> bool:
+                    return state.listings > listed
+
+                await eventually(hinted_listing_started, "the replica hint asks the replica for its listing")
+                await table.bump("tenant-42")
+
+                async def bumped() -> bool:
+                    return await epoch() == 2
+
+                await eventually(bumped, "the bump's hint lands while the replica's listing is stalled")
+            finally:
+                gate.set()

@@ -99,6 +99,8 @@ class SnapshotSync:
         self.on_replica_hint = on_replica_hint
         """Called with a replica's URL when some kvgate saw its loaded adapters change."""
         self._reading = asyncio.Lock()  # the listener and the periodic loop both reconcile: one at a time
+        self._hinted: dict[str, asyncio.Task[None]] = {}  # replica URL -> its hinted refresh, running
+        self._hinted_again: set[str] = set()  # hinted again while its refresh ran: one more refresh
 
     async def reconcile(self) -> None:
         async with self._reading:
@@ -125,6 +127,31 @@ class SnapshotSync:
             log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)
         self.snapshot.flushed = True
 
+    def _refresh_replica(self, url: str) -> None:
+        """Act on a replica hint beside the listener, never inside it: a replica slow to list its adapters
+        must not hold back the table's hints. One refresh per replica at a time; a hint arriving during it
+        asks for one more."""
+        if url in self._hinted:
+            self._hinted_again.add(url)
+            return
+        task = asyncio.create_task(self._refresh_until_current(url))
+        self._hinted[url] = task
+        task.add_done_callback(lambda done: self._refreshed(url, done))
+
+    async def _refresh_until_current(self, url: str) -> None:
+        assert self.on_replica_hint is not None
+        while True:
+            self._hinted_again.discard(url)
+            await self.on_replica_hint(url)
+            if url not in self._hinted_again:
+                return
+
+    def _refreshed(self, url: str, task: asyncio.Task[None]) -> None:
+        if self._hinted.get(url) is task:
+            del self._hinted[url]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("refreshing %s on its hint failed", url, exc_info=task.exception())
+
     async def _listen(self) -> None:
         pubsub = self.table.redis.pubsub(ignore_subscribe_messages=True)
         try:
@@ -139,7 +166,10 @@ class SnapshotSync:
                 if not hint.startswith(keys.REPLICA_HINT_PREFIX):
                     self.snapshot.put(hint, await self.table.read_state(hint))
                 elif self.on_replica_hint is not None:
-                    await self.on_replica_hint(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
+                    self._refresh_replica(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
         finally:
+            for task in self._hinted.values():
+                task.cancel()
+            self._hinted.clear()
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
