@@ -7,7 +7,7 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing chaos chaos-spread
 
 setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done
 
@@ -60,6 +60,18 @@ loadtest-proxy: $(VENV)/.done
 # kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
 loadtest-routing: $(VENV)/.done
 	$(PY) -m loadtest.prefix_routing --replicas 2 4 --requests 20000 --seed 1 --out docs/prefix_routing.md
+
+# The chaos run (not part of `make test`): three kvgate processes on one Redis, two real vLLM replicas, four
+# tenants, traffic, changes and faults for MINUTES minutes; writes docs/chaos.md. `make chaos MINUTES=2`.
+MINUTES ?= 10
+chaos: setup
+	$(PY) -m loadtest.chaos --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--minutes $(MINUTES) --out docs/chaos.md
+
+# A hot version on one replica spreads to the second: time from the load bound crossed (docs/chaos.md).
+chaos-spread: setup
+	$(PY) -m loadtest.spread --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--out docs/chaos.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo
