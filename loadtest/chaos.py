@@ -1026,7 +1026,7 @@ def report(run: Run, command: str) -> str:
     not_recomputable: Counter[str] = Counter()
     for o in outs:
         if o.check.startswith("not-recomputable"):  # the answer and its cold runs, against the faults
-            when = during_fault(replace(o, ended=o.checked_at or o.ended), run.faults)
+            when = during_fault(replace(o, started=o.ended, ended=o.checked_at or o.ended), run.faults)
             not_recomputable[f"{o.check} ({'during ' + when if when else 'outside any fault'})"] += 1
     retired = [  # answers still running a drain grace after every kvgate saw their version retired
         o
@@ -1204,10 +1204,14 @@ def _divergences(what: str, found: Sequence[tuple[int | None, float]]) -> str:
     if not found:
         return f"{what}: none."
     firsts = sorted(at for at, _ in found if at is not None)
+    parts = (
+        [f"{len(firsts)} first differ at generated token " + ", ".join(map(str, firsts))] if firsts else []
+    )
+    if len(firsts) < len(found):
+        parts.append(f"{len(found) - len(firsts)} have the same tokens")
     return (
-        f"{what}: {len(found)}; they first differ at generated token "
-        + ", ".join(str(at) for at in firsts)
-        + f"; the largest |dlogprob| on the tokens before: {max(d for _, d in found):.2g}."
+        f"{what}: {len(found)}; " + ", ".join(parts) + "; the largest |dlogprob| on the tokens they share: "
+        f"{max(d for _, d in found):.2g}."
     )
 
 
