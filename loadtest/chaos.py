@@ -79,6 +79,7 @@ QUESTIONS = 24  # few enough that prompts repeat: warm hits, and cold answers to
 PROPAGATION_DEADLINE_S = 15.0
 POLL_S = 0.01  # between two polls of one kvgate's status, while waiting for a change to show
 EPSILON = 1e-6  # float noise allowed on top of the tolerance (logprobs travel as JSON floats)
+DRAIN_GRACE_S = 2.0  # kvgate's --drain-grace: a retired version may be unloaded this long after
 CALIBRATE_EVERY = 4  # every 4th check runs three cold runs, whatever it finds (the cold-to-cold spread)
 CHAOS_MARKERS = ("<!-- chaos:start -->", "<!-- chaos:end -->")
 
@@ -330,6 +331,7 @@ class Outcome:
         return min(self.diffs, default=math.inf)
 
     self_loaded: bool = False  # the version was gone from the replica: this run loaded it again
+    checked_at: float | None = None  # wall clock (s) when its cold runs were done
 
     @property
     def complete(self) -> bool:
@@ -665,7 +667,8 @@ class Run:
                 "serve", *(a for r in self.replicas for a in ("--replica", r.url)),
                 "--redis-url", self.redis_server.url, "--store", str(self.store.root),
                 "--data-dir", str(self.work / f"kvgate-{i}"), "--port", str(free_port()),
-                "--drain-grace", "2", "--lease-ttl", "3", "--shutdown-timeout", "5", "--expose-replica-urls",
+                "--drain-grace", str(DRAIN_GRACE_S), "--lease-ttl", "3", "--shutdown-timeout", "5",
+                "--expose-replica-urls",
                 "--max-adapters-per-replica", str(self.args.budget),
                 "--canary-interval", str(self.args.canary_interval),
             )  # fmt: skip
@@ -697,6 +700,7 @@ class Run:
                 self._sent += 1
                 if self._sent % self.args.sample_every == 0:
                     await self.checker.check(out, shape, body)
+                    out.checked_at = time.time()
             self.outcomes.append(out)
             self.records.write(json.dumps(asdict(out)) + "\n")
 
@@ -1019,11 +1023,20 @@ def report(run: Run, command: str) -> str:
     checked = [o for o in outs if o.check == "checked"]
     exact = [o for o in checked if o.max_diff <= EPSILON]
     within = [o for o in checked if o.verdict == "coherent" and o.max_diff > EPSILON]
-    not_recomputable = Counter(
-        f"{o.check} ({'during ' + (during_fault(o, run.faults) or 'no fault')})"
+    not_recomputable: Counter[str] = Counter()
+    for o in outs:
+        if o.check.startswith("not-recomputable"):  # the answer and its cold runs, against the faults
+            when = during_fault(replace(o, started=o.ended, ended=o.checked_at or o.ended), run.faults)
+            not_recomputable[f"{o.check} ({'during ' + when if when else 'outside any fault'})"] += 1
+    retired = [  # answers still running a drain grace after every kvgate saw their version retired
+        o
         for o in outs
-        if o.check.startswith("not-recomputable")
-    )
+        if o.status == 200
+        and any(
+            c.tenant == o.tenant and c.digest != o.digest and o.started < c.at < o.ended - DRAIN_GRACE_S
+            for c in run.changes
+        )
+    ]
     incoherent = [o for o in outs if o.verdict == "incoherent"]
     errors: Counter[str] = Counter()
     samples: dict[str, str] = {}
@@ -1077,6 +1090,9 @@ def report(run: Run, command: str) -> str:
         f"(1 in {run.args.sample_every} sampled) | ≥ 1 in 5 |",
         f"| incoherent answers | {len(incoherent)} | 0 |",
         f"| hung requests (no answer in {DEADLINE_S:.0f} s) | {hung} | 0 |",
+        f"| answers (streaming) still running {DRAIN_GRACE_S:g} s (the drain grace) after every kvgate saw "
+        f"their version retired, and finished | {sum(o.complete for o in retired)} of {len(retired)} "
+        f"({sum('stream' in o.shape for o in retired)}) | all |",
         f"| streams cut, unexplained by a kill or a replica restart (an unload?) | "
         f"{cuts.get('unexplained (an unload?)', 0)} | 0 |",
         f"| not recomputable (sampled, but the cold run failed) | {sum(not_recomputable.values())} | small |",
@@ -1188,10 +1204,14 @@ def _divergences(what: str, found: Sequence[tuple[int | None, float]]) -> str:
     if not found:
         return f"{what}: none."
     firsts = sorted(at for at, _ in found if at is not None)
+    parts = (
+        [f"{len(firsts)} first differ at generated token " + ", ".join(map(str, firsts))] if firsts else []
+    )
+    if len(firsts) < len(found):
+        parts.append(f"{len(found) - len(firsts)} have the same tokens")
     return (
-        f"{what}: {len(found)}; they first differ at generated token "
-        + ", ".join(str(at) for at in firsts)
-        + f"; the largest |dlogprob| on the tokens before: {max(d for _, d in found):.2g}."
+        f"{what}: {len(found)}; " + ", ".join(parts) + "; the largest |dlogprob| on the tokens they share: "
+        f"{max(d for _, d in found):.2g}."
     )
 
 

@@ -63,3 +63,34 @@ async def test_requests_keep_flowing_while_redis_is_down(make_adapter: MakeAdapt
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def test_no_eviction_while_the_fleets_leases_are_unreadable(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    """Seen in the chaos run ("unloading ... without the fleet's leases (Redis unreachable)"): with Redis
+    down, the loader unloaded anyway, so another kvgate's stream on that adapter was not protected. A
+    load that needs room then goes over budget instead, until the leases can be read again."""
+    server = EmbeddedRedis(tmp_path / "redis-home")
+    server.start()
+    redis = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    store = AdapterStore(tmp_path / "store")
+    table = EpochTable(redis)
+    a = await publish_adapter(table, store, "tenant-a", make_adapter(b"a"), "base")
+    b = await publish_adapter(table, store, "tenant-b", make_adapter(b"b"), "base")
+    state = StubState()
+    try:
+        async with running(build_stub(state)) as stub_url:
+            settings = Settings(replicas=[stub_url], store=store.root, max_adapters_per_replica=1,
+                                reconcile_interval=0.1, poll_interval=0.1)  # fmt: skip
+            async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
+                body = {"model": "tenant-a", "prompt": "p", "max_tokens": 1}
+                async with http.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 200  # tenant-a loaded: the budget is full
+                server.stop()
+                async with http.post(f"{url}/v1/completions", json=body | {"model": "tenant-b"}) as response:
+                    assert response.status == 200, await response.text()
+                assert {a.name, b.name} <= set(state.adapters), "tenant-a was evicted without its leases"
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -164,7 +164,8 @@ class AdapterLoader:
 
     async def _make_room(self, replica: Replica) -> None:
         """Unload idle adapters, least recently used across the fleet first, until one more fits;
-        a name another kvgate leases is skipped (if nothing can go, the load goes over budget)."""
+        a name another kvgate leases is skipped, and every name while Redis cannot say who leases it (if
+        nothing can go, the load goes over budget)."""
         managed = self._managed(replica)
         if len(managed) < self.budget:
             return
@@ -223,10 +224,11 @@ class AdapterLoader:
             claim = await self.leases.begin_unload(
                 replica.url, name, force=force, claim_ms=int(self.load_timeout * 1000)
             )
-        except REDIS_DOWN as exc:
-            log.warning("unloading %s from %s without the fleet's leases (Redis unreachable): %s", name,
+        except REDIS_DOWN as exc:  # leases unknown: only a forced unload goes ahead (a budget goes over)
+            verb = "unloading" if force else "not unloading"
+            log.warning("%s %s from %s without the fleet's leases (Redis unreachable): %s", verb, name,
                         replica.url, exc)  # fmt: skip
-            return True
+            return force
         if not claim.claimed:
             log.debug("not unloading %s from %s: %s", name, replica.url, claim.reason)
         elif claim.live_leases:
