@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
@@ -106,3 +107,17 @@ def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -
         return name
 
     return do
+
+
+async def until_healthy(url: str, within: float = 10.0) -> None:
+    """Wait for a kvgate started as a process to answer ``/healthz`` with 200."""
+    async with aiohttp.ClientSession() as http:
+
+        async def healthy() -> bool:
+            try:
+                async with http.get(f"{url}/healthz") as health:
+                    return health.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await eventually(healthy, f"{url} answers /healthz", within)

@@ -19,7 +19,7 @@ from gateway.serving import free_port, running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import MakeAdapter, eventually
+from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 
@@ -37,14 +37,7 @@ async def test_sigterm_drains_then_exits_0(
                    "--shutdown-timeout", "30"]  # fmt: skip
         server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
         try:
-            for _ in range(200):
-                try:
-                    async with http.get(f"{url}/healthz") as health:
-                        if health.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
+            await until_healthy(url)
             async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
                 stream = await api.completions.create(
                     model="tenant-42", prompt="p", max_tokens=20, stream=True

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 from redis.asyncio import Redis
@@ -19,7 +18,7 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.serving import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import eventually
+from tests.conftest import eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 Gateway = Callable[..., AbstractAsyncContextManager[str]]
@@ -93,7 +92,7 @@ async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
         b = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
         try:
             url_b = f"http://127.0.0.1:{port}"
-            await _until_healthy(url_b)
+            await until_healthy(url_b)
             async with client(url_b) as api:
                 stream = await api.completions.create(
                     model="tenant-42", prompt="p", max_tokens=1, stream=True
@@ -112,16 +111,3 @@ async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
             if b.returncode is None:
                 b.kill()
                 await b.wait()
-
-
-async def _until_healthy(url: str) -> None:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(200):
-            try:
-                async with http.get(f"{url}/healthz") as health:
-                    if health.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    pytest.fail(f"{url} never became healthy")
