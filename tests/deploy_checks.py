@@ -56,7 +56,7 @@ def schema_problems(objs: list[Obj]) -> list[str]:
     problems = []
     for obj in objs:
         where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
-        custom = CUSTOM_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+        custom = CUSTOM_SCHEMAS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
         try:
             if custom:
                 schema = _strict(json.loads((SCHEMAS / custom).read_text()))

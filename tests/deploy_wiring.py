@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 from gateway.config import Settings
+from gateway.table.connection import CLUSTER, REDIS_PORT, SENTINEL, parse_target, scheme_of
 from tests.deploy_checks import Obj, _container_ports, named, pods
 
 FROM_SECRET = object()  # a setting whose value comes from a Secret (not checked here)
@@ -97,19 +98,18 @@ def address_problems(objs: list[Obj]) -> list[str]:
         if not isinstance(replicas, str) or not replicas.strip():
             problems.append(f"{name}/{container['name']}: KVGATE_REPLICAS is not set")
             replicas = ""
-        addresses = []
+        addresses: list[tuple[str, str, int]] = []
         for url in filter(None, (part.strip() for part in replicas.split(","))):
             parts = urlsplit(url)
             addresses.append((url, parts.hostname or "", parts.port or 80))
         redis_url = env.get("KVGATE_REDIS_URL")
         if not redis_url:
             problems.append(f"{name}/{container['name']}: KVGATE_REDIS_URL is not set")
+        elif isinstance(redis_url, str) and scheme_of(redis_url) in (SENTINEL, CLUSTER):
+            addresses += [(redis_url, host, port) for host, port in parse_target(redis_url).nodes]
         elif isinstance(redis_url, str):
-            scheme, _, rest = redis_url.partition("://")
-            default = 26379 if scheme == "redis+sentinel" else 6379
-            for node in rest.split("@")[-1].split("/")[0].split(","):
-                host, _, port = node.partition(":")
-                addresses.append((redis_url, host, int(port or default)))
+            parts = urlsplit(redis_url)
+            addresses.append((redis_url, parts.hostname or "", parts.port or REDIS_PORT))
         for url, host, port in addresses:
             problem = _host_problem(objs, spec, host, port)
             if problem:
