@@ -171,6 +171,23 @@ def selector_problems(objs: list[Obj]) -> list[str]:
     for name, budget in named(objs, "PodDisruptionBudget").items():
         if not any(_matches(budget["spec"]["selector"]["matchLabels"], labels) for _, _, labels in templates):
             problems.append(f"PodDisruptionBudget {name}: its selector matches no pod template")
+    every_port = {port for _, spec, _ in templates for port in _container_ports(spec)}
+    for name, policy in named(objs, "NetworkPolicy").items():
+        if not any(
+            _matches(policy["spec"]["podSelector"]["matchLabels"], labels) for _, _, labels in templates
+        ):
+            problems.append(f"NetworkPolicy {name}: its podSelector matches no pod template")
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                wanted = peer.get("podSelector", {}).get("matchLabels", {})
+                if wanted and not any(_matches(wanted, labels) for _, _, labels in templates):
+                    problems.append(
+                        f"NetworkPolicy {name}: a rule admits pods {wanted}, which no template has"
+                    )
+            # A named port applies to the selected pods that declare it: it must at least be declared.
+            unknown = [port["port"] for port in rule.get("ports", []) if port["port"] not in every_port]
+            if unknown:
+                problems.append(f"NetworkPolicy {name}: ports {unknown} are declared by no container")
     for name, monitor in named(objs, "ServiceMonitor").items():
         chosen = [
             s for s in services.values() if _matches(monitor["spec"]["selector"]["matchLabels"], labels_of(s))

@@ -93,7 +93,7 @@ def test_every_object_was_validated_by_a_schema(renders: dict[str, list[Obj]]) -
     """The renders hold what the deployment needs, each kind one the schema check has a schema for."""
     kinds = {obj["kind"] for objs in renders.values() for obj in objs}
     assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "Secret", "PersistentVolumeClaim"} <= kinds
-    assert {"PodDisruptionBudget", "ServiceMonitor", "ServiceAccount"} <= kinds
+    assert {"PodDisruptionBudget", "ServiceMonitor", "ServiceAccount", "NetworkPolicy"} <= kinds
 
 
 def test_shapes_differ_where_they_should(renders: dict[str, list[Obj]]) -> None:
@@ -202,6 +202,19 @@ def probe_port_undeclared(o: list[Obj]) -> None:
 @breaks("selectors")
 def servicemonitor_port_unknown(o: list[Obj]) -> None:
     _named(o, "ServiceMonitor", "kvgate")["spec"]["endpoints"][0]["port"] = "metrics"
+
+
+@breaks("selectors")
+def networkpolicy_admits_no_kvgate(o: list[Obj]) -> None:
+    rule = _named(o, "NetworkPolicy", "vllm-only-from-kvgate")["spec"]["ingress"][0]
+    rule["from"][0]["podSelector"]["matchLabels"] = {"app.kubernetes.io/name": "kvgate-gateway"}
+
+
+@breaks("selectors")
+def networkpolicy_port_unknown(o: list[Obj]) -> None:
+    _named(o, "NetworkPolicy", "vllm-only-from-kvgate")["spec"]["ingress"][0]["ports"] = [
+        {"port": "vllm-api"}
+    ]
 
 
 @breaks("security")
