@@ -10,9 +10,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
 from gateway.config import Settings
 from gateway.table.connection import CLUSTER, REDIS_PORT, SENTINEL, parse_target, scheme_of
 from tests.deploy_checks import Obj, _container_ports, named, pods
+
+
+class ManifestSettings(Settings):
+    """kvgate's settings from the given values only: this process's own ``KVGATE_*`` variables stay out."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
 
 FROM_SECRET = object()  # a setting whose value comes from a Secret (not checked here)
 
@@ -54,7 +72,7 @@ def setting_problems(objs: list[Obj]) -> list[str]:
         if "replicas" in plain:
             plain["replicas"] = plain["replicas"].split(",")  # type: ignore[assignment]
         try:
-            Settings.model_validate(plain)
+            ManifestSettings(**plain)
         except ValueError as error:
             problems.append(f"{name}/{container['name']}: settings refused: {error}")
     return problems
