@@ -72,7 +72,7 @@ def setting_problems(objs: list[Obj]) -> list[str]:
         if "replicas" in plain:
             plain["replicas"] = plain["replicas"].split(",")  # type: ignore[assignment]
         try:
-            ManifestSettings(**plain)
+            ManifestSettings.model_validate(plain)
         except ValueError as error:
             problems.append(f"{name}/{container['name']}: settings refused: {error}")
     return problems
