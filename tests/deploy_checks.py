@@ -224,6 +224,18 @@ def labels_of(obj: Obj) -> dict[str, str]:
     return labels
 
 
+def image_problems(objs: list[Obj]) -> list[str]:
+    """Every container names a pinned image: a tag other than latest, or a digest."""
+    problems = []
+    for name, _, spec in pods(objs):
+        for container in containers(spec):
+            image = container.get("image", "")
+            tag = image.rpartition("/")[2].partition(":")[2]
+            if "@sha256:" not in image and tag in ("", "latest"):
+                problems.append(f"{name}/{container['name']}: image {image!r} is not pinned to a tag")
+    return problems
+
+
 def security_problems(objs: list[Obj]) -> list[str]:
     """Every container: non-root, read-only root filesystem, no privilege escalation, no capabilities."""
     problems = []

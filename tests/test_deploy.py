@@ -39,6 +39,7 @@ CHECKS: dict[str, Callable[[list[Obj]], list[str]]] = {
     "references": deploy_checks.reference_problems,
     "selectors": deploy_checks.selector_problems,
     "security": deploy_checks.security_problems,
+    "images": deploy_checks.image_problems,
     "settings": deploy_wiring.setting_problems,
     "addresses": deploy_wiring.address_problems,
     "store": deploy_wiring.store_problems,
@@ -102,6 +103,8 @@ def test_shapes_differ_where_they_should(renders: dict[str, list[Obj]]) -> None:
         return found
 
     assert env(renders["sidecar"])["KVGATE_REPLICAS"] == "http://127.0.0.1:8000"
+    assert _container(renders["ingress"], "kvgate", "kvgate")["image"] == "kvgate:0.1.0"
+    assert _container(renders["sidecar"], "vllm-kvgate", "vllm")["image"] == "vllm/vllm-openai:v0.32.0"
     ingress = env(renders["ingress"])["KVGATE_REPLICAS"]
     assert ingress == "http://vllm-0.vllm-headless:8000,http://vllm-1.vllm-headless:8000"
     assert env(renders["ingress+purge-all"])["KVGATE_INVALIDATION"] == "purge-all"
@@ -230,6 +233,11 @@ def writable_root(o: list[Obj]) -> None:
 @breaks("security")
 def capabilities_kept(o: list[Obj]) -> None:
     _container(o, "kvgate", "kvgate")["securityContext"]["capabilities"] = {"drop": ["NET_RAW"]}
+
+
+@breaks("images")
+def image_unpinned(o: list[Obj]) -> None:
+    _container(o, "kvgate", "kvgate")["image"] = "registry.example.com:5000/kvgate"
 
 
 @breaks("settings")
