@@ -65,6 +65,19 @@ def test_final_stage_is_slim_non_root_with_a_stdlib_healthcheck() -> None:
     assert check.endswith('CMD ["python", "-m", "gateway.healthcheck"]'), check
 
 
+def test_the_build_context_holds_what_the_dockerfile_copies() -> None:
+    """``.dockerignore`` keeps everything out (virtualenvs, caches) but what a COPY names."""
+    kept = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    copied = {
+        source
+        for stage in stages()
+        for instruction, arguments in stage
+        if instruction == "COPY" and not arguments.startswith("--from")
+        for source in arguments.split()[:-1]
+    }
+    assert copied == kept
+
+
 def _run(
     command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
