@@ -34,6 +34,11 @@ def record_epoch_change(metrics: Metrics, logical_id: str) -> None:
     metrics.epoch_changes.labels(metrics.for_id(logical_id)).inc()
 
 
+def series_in(exposition: bytes) -> int:
+    """The sample lines of an exposition (what Prometheus stores as series; ``_created`` lines too)."""
+    return sum(1 for line in exposition.splitlines() if line and not line.startswith(b"#"))
+
+
 @dataclass(frozen=True)
 class Exposition:
     """One ``/metrics`` text, parsed: its size, its series, and the values per metric and label set."""
