@@ -108,6 +108,15 @@ def test_ids_enter_and_leave_the_top_k_with_every_series_monotonic_and_every_req
     assert epochs == {"b": 1, OTHER: 1}
 
 
+def test_k_0_counts_every_id_under_other() -> None:
+    metrics = Metrics(top_k=0)
+    for logical_id in ("a", "b", "a"):
+        record_request(metrics, logical_id)
+    parsed = Exposition.parse(metrics.exposition())
+    assert parsed.ids("kvgate_requests_total") == {OTHER: 3}
+    assert metrics.ids.sketch.counts == {}
+
+
 def test_100000_active_ids_stay_within_5000_series_and_1_mb() -> None:
     """100,000 distinct IDs each active (shuffled), and beside them a hot set of 100 IDs that moves to
     other IDs every 700 s: the re-rankings (every 300 s, 6 in all) promote each hot set while it still
