@@ -4,7 +4,8 @@ Per-logical-ID series exist only for counters (histograms carry no logical ID at
 bounded set of IDs, so ``/metrics`` stays the same size whether kvgate serves 100 tenants or 100,000:
 
 - **Traffic** is ranked by a Space-Saving sketch (``heavy_hitters``) of ``SKETCH_FACTOR * K`` entries,
-  one unit per proxied request. Memory is O(K), whatever the number of IDs.
+  one unit per proxied request, by each ID's guaranteed count (a newcomer's inherited count does not
+  rank it). Memory is O(K), whatever the number of IDs; a request costs one dict update and one heap push.
 - **Promotion.** An ID is *promoted* (its requests, tokens, epoch changes and audit verdicts count under
   ``logical_id="<id>"``) when it is among the K heaviest at a re-ranking, every ``rerank_interval``
   seconds; until K IDs are promoted, an ID is promoted by its first request. So with at most K IDs,
