@@ -204,9 +204,11 @@ async def _respond(
         return web.json_response(stored)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    events = [("response.created", {"response": {**stored, "status": "in_progress"}}),
-              ("response.output_text.delta", {"delta": "ok"}),
-              ("response.completed", {"response": stored})]  # fmt: skip
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": {**stored, "status": "in_progress"}}),
+        ("response.output_text.delta", {"delta": "ok"}),
+        ("response.completed", {"response": stored}),
+    ]
     for kind, event in events:
         data = json.dumps({"type": kind, **event}, separators=(",", ":"))
         await response.write(f"event: {kind}\ndata: {data}\n\n".encode())

@@ -1,8 +1,9 @@
 """The OpenAI-compatible request path, in stages: caller → parse → resolve (snapshot) → schedule → forward.
 
 Every vLLM model route (``routes.ROUTES``) takes this one path; the route's kind says how the body
-carries the model (``intake``). Going in, ``model`` is rewritten from the logical ID to the versioned name and the gateway sets the
-cache namespace (the client's ``cache_salt`` is never forwarded). Coming out (``relay``), the versioned
+carries the model (``intake``). Going in, ``model`` is rewritten from the logical ID to the versioned
+name and the gateway sets the cache namespace where the route takes one (the client's ``cache_salt`` is
+never forwarded). Coming out (``relay``), the versioned
 name is rewritten back to the logical ID and headers say which effective model answered. Where a
 request runs is the scheduler's decision; this module carries it out (a load through the loader, then
 the forward). No Redis command runs here: the snapshot (and the API key copy) is local. Each request
