@@ -14,11 +14,11 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from gateway.core.wire import replica_id, response_id
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id, response_id
 from gateway.request.routes import ROUTES
 from gateway.table.callers import CallerTable
 from tests.stub_backend import REPLICA_ONLY, StubState
-from tests.test_proxy import Gateway, client, stubs
+from tests.test_proxy import ADMIN_TOKEN, Gateway, client, stubs
 from tests.test_proxy import gateway as gateway  # the fixture: kvgate in front of the stubs
 
 NAMESPACED = {route.path for route in ROUTES if route.namespaced}
@@ -187,6 +187,21 @@ async def test_responses_stream_and_follow_ups_reach_the_replica_that_stores_the
     assert bad_previous.value.body["param"] == "previous_response_id"  # type: ignore[index]
     sent = [body for _, state in backends for path, body in state.routed if path == "/v1/responses"]
     assert all(b["model"] == v1 and b["cache_salt"].startswith("kvg-") for b in sent)
+
+
+async def test_each_replicas_responses_are_fetched_from_that_replica(gateway: Gateway, publish: Any) -> None:
+    async with stubs(2) as backends:
+        await publish("tenant-42", b"v1")
+        async with gateway([u for u, _ in backends]) as url, client(url) as api:
+            made = []
+            for replica_url, _ in backends:  # one stored response on each replica
+                pinned = {PIN_HEADER: replica_url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+                made.append(await api.responses.create(model="tenant-42", input="hi", extra_headers=pinned))
+            fetched = [await api.responses.retrieve(response.id) for response in made]
+    assert [f.id for f in fetched] == [m.id for m in made]
+    for (replica_url, state), response in zip(backends, made, strict=True):
+        assert response.id.startswith(f"resp_{replica_id(replica_url)}-")
+        assert (f"/v1/responses/{response.id}", {}) in state.routed, "fetched where it is stored"
 
 
 async def test_audio_is_multipart_with_the_model_rewritten(gateway: Gateway, publish: Any) -> None:
