@@ -14,7 +14,14 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id, response_id
+from gateway.core.wire import (
+    ADMIN_TOKEN_HEADER,
+    PIN_HEADER,
+    replica_id,
+    response_id,
+    response_owner,
+    response_parts,
+)
 from gateway.request.routes import ROUTES
 from gateway.table.callers import CallerTable
 from tests.stub_backend import REPLICA_ONLY, StubState
@@ -282,3 +289,26 @@ async def test_api_keys_limit_every_route(gateway: Gateway, publish: Any, redis:
     assert unauthenticated[0] == 401
     paths = [path for path, _ in backends[0][1].routed]
     assert paths == ["/v1/responses", f"/v1/responses/{theirs.id}", "/v1/embeddings"]
+
+
+def test_minted_response_ids_name_their_replica_and_owner() -> None:
+    minted = response_id("http://10.0.0.5:8000", "acme")
+    assert response_parts(minted) == (replica_id("http://10.0.0.5:8000"), response_owner("acme"))
+    assert len({response_owner("acme"), response_owner("bolt"), response_owner(None)}) == 3
+    assert response_id("http://10.0.0.5:8000", "acme") != minted, "random: unguessable like vLLM's"
+    vllms_own = "resp_" + "0123456789abcdef" * 2
+    for foreign in [vllms_own, minted + "0", minted.upper(), minted.removeprefix("resp_"), minted + "\n"]:
+        assert response_parts(foreign) is None, foreign
+
+
+def test_the_route_table_is_one_row_per_route_and_hides_replica_internals() -> None:
+    keys = [(route.method, route.path) for route in ROUTES]
+    assert len(keys) == len(set(keys))
+    paths = {route.path for route in ROUTES}
+    internals = {path for _, path in REPLICA_ONLY} | {
+        "/health",
+        "/v1/load_lora_adapter",
+        "/reset_prefix_cache",
+    }
+    assert not paths & internals
+    assert [route.path for route in ROUTES if route.mints_response_id] == ["/v1/responses"]

@@ -171,7 +171,7 @@ def upstream_body(
     """The body the replica gets. JSON: the client's bytes as they came or, when kvgate must change
     them, the body serialized once at parse time without the members kvgate owns, with the gateway's
     own spliced in (nothing is serialized again here). ``namespaces``: version namespaces are on."""
-    if parsed.form:
+    if parsed.route.kind == "form":
         return _form_body(parsed, target)
     if parsed.decoded is None:
         return None
@@ -183,7 +183,7 @@ def upstream_body(
         dialect.set_cache_namespace(owned, target.salt)
     if parsed.route.mints_response_id:
         owned["request_id"] = response_id(replica_url, parsed.tenant)
-    changed = target.version is not None or set(owned) - {"model"} or parsed.decoded.namespaced
+    changed = target.version is not None or bool(set(owned) - {"model"}) or parsed.decoded.namespaced
     body = splice(parsed.decoded.rest, owned) if changed else parsed.raw
     return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
 
