@@ -19,6 +19,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.core.wire import replica_id
 from gateway.table.epoch_table import EpochTable
 from gateway.vllm_process import VllmProcess
+from tests.conftest import eventually
 from tests.vllm.conftest import Gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -53,6 +54,12 @@ async def test_tokenize_detokenize_and_model_card_are_vllms_own_under_the_logica
         table, AdapterStore(gateway.store), LOGICAL, fixture_dir / "adapters" / "v1", "base"
     )
     name = published.name
+
+    async def listed() -> bool:
+        async with http.get(f"{gateway.url}/v1/models") as listing:
+            return LOGICAL in {card["id"] for card in (await listing.json())["data"]}
+
+    await eventually(listed, f"kvgate's snapshot shows {LOGICAL}")
     replica_of = {replica_id(r.url): r.url for r in vllm_replicas}
 
     tokenized, evidence = await post(http, f"{gateway.url}/tokenize", {"model": LOGICAL, "prompt": PROMPT})
