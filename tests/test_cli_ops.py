@@ -73,7 +73,8 @@ async def test_versions_and_history(
     table = kvgate("versions", "tenant-42", redis_url=url, store=store.root)
     assert table.returncode == 0, table.stderr
     (current_line,) = [line for line in table.stdout.splitlines() if line.startswith("*")]
-    assert v1[:16] in current_line and v2[:16] not in current_line
+    assert v1[:16] in current_line
+    assert v2[:16] not in current_line
 
     history = ok_json("history", "tenant-42", redis_url=url, store=store.root)
     assert [(e["action"], e["epoch"], e["digest"]) for e in history["history"]] == [
