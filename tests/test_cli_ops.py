@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping, ValuesView
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,46 @@ def test_publish_progress_bar_when_asked(make_adapter: MakeAdapter, tmp_path: Pa
     quiet = subprocess.run(without, capture_output=True, text=True, timeout=60, check=False)
     assert quiet.returncode == 0
     assert "copying" not in quiet.stderr, "no bar when stderr is not a terminal and none was asked for"
+
+
+class ListedLater(Mapping[str, Mapping[str, str]]):
+    """Replica listings that name nothing at gc's first read and LISTING from the second on: a replica
+    that loaded the version while gc was deciding."""
+
+    def __init__(self, listing: dict[str, str]) -> None:
+        self.listing, self.reads = listing, 0
+
+    def _now(self) -> dict[str, Mapping[str, str]]:
+        return {"http://10.0.0.7:8000": self.listing} if self.reads > 1 else {}
+
+    def values(self) -> ValuesView[Mapping[str, str]]:
+        self.reads += 1
+        return self._now().values()
+
+    def __getitem__(self, key: str) -> Mapping[str, str]:
+        return self._now()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+
+async def test_gc_puts_back_what_became_needed_after_it_decided(
+    redis: Redis, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    """Between the rename and the deletion gc reads everything again: a version listed meanwhile stays."""
+    store = AdapterStore(tmp_path / "store")
+    clock, old = Clock(0), time.time() - 30 * DAY
+    first = await publish_at(redis, store, clock, old, "a", make_adapter(b"1"))
+    await publish_at(redis, store, clock, old + 1, "a", make_adapter(b"2"))
+    table = EpochTable(redis)
+    later = ListedLater({f"a@{first[:16]}": str(store.path_for(first))})
+
+    report = await gc.sweep(table, store, gc.Policy(keep_last=1, retention_s=DAY), later)
+    assert later.reads == 2, "decided on the first read, checked again on the second"
+    assert (report.removed, report.restored) == ([], [first])
+    assert store.contains(first)
+    assert not [p for p in store.root.iterdir() if p.name.startswith(gc.TRASH_PREFIX)]
+    assert first in {r.digest for r in await read_versions(table, "a")}, "its records stay too"

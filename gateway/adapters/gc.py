@@ -86,7 +86,7 @@ async def collect(
 ) -> list[Entry]:
     """Every store directory with the reasons it is kept (none: removable), oldest first."""
     now = time.time() if now is None else now
-    needed = await _needed(table, policy, listings or {}, now)
+    needed = await _needed(table, policy, {} if listings is None else listings, now)
     entries = []
     for path in sorted(store.root.iterdir()) if store.root.is_dir() else []:
         if not (_DIGEST.fullmatch(path.name) and path.is_dir()):
@@ -109,7 +109,7 @@ async def sweep(
     now: float | None = None,
 ) -> Report:
     """``collect``, then remove each removable directory (unless ``dry_run``) by the steps above."""
-    listings = listings or {}
+    listings = {} if listings is None else listings
     report = Report(await collect(table, store, policy, listings, now=now))
     for entry in report.entries:
         if entry.kept_because or dry_run:
