@@ -101,7 +101,9 @@ def build_app(
     )
     app[SETTINGS] = settings
     app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (gateway.serving)
-    app[METRICS] = metrics = metrics or Metrics()
+    app[METRICS] = metrics = metrics or Metrics(
+        top_k=settings.metrics_top_k, rerank_interval=settings.metrics_rerank_interval
+    )
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
@@ -168,7 +170,8 @@ def build_app(
 
 
 def _epoch_changed(app: web.Application, logical_id: str) -> None:
-    app[METRICS].epoch_changes.labels(logical_id).inc()
+    metrics = app[METRICS]
+    metrics.epoch_changes.labels(metrics.for_id(logical_id)).inc()
     if PURGER in app:
         app[PURGER].changed(logical_id)
 

@@ -119,7 +119,9 @@ class Canary:
 
     def _record(self, logical_id: str, verdicts: list[Verdict]) -> None:
         for verdict in verdicts:
-            self.metrics.audits.labels(logical_id, verdict.replica, verdict.verdict).inc()
+            self.metrics.audits.labels(
+                self.metrics.for_id(logical_id), verdict.replica, verdict.verdict
+            ).inc()
             self.verdicts.setdefault(logical_id, {})[verdict.replica] = {
                 "verdict": verdict.verdict, "detail": verdict.detail,
                 "name": verdict.observation.served, "at_ms": int(time.time() * 1000),

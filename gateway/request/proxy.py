@@ -138,9 +138,9 @@ class Proxy:
                 caller = self.auth.caller(request)
                 parsed = await self.parse(request)
                 target = self.resolve(parsed, caller)
-                label = target.logical_id
+                label = self.metrics.for_request(target.logical_id)
                 if target.version is not None:
-                    self.activity[label] = started
+                    self.activity[target.logical_id] = started
                 _describe_target(span, request, target, self.dialect.name)
                 response = await self.schedule_and_forward(request, parsed, target, span, started)
                 outcome = str(response.status)
@@ -154,7 +154,7 @@ class Proxy:
                 raise
             finally:
                 self.metrics.requests.labels(label, outcome).inc()
-                self.metrics.latency.labels(label).observe(time.monotonic() - started)
+                self.metrics.latency.observe(time.monotonic() - started)
 
     async def schedule_and_forward(
         self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
@@ -275,7 +275,7 @@ class Proxy:
         if self.tracing:
             attr.inject_traceparent(headers)
         rewrite = relay.model_rewrite(name, target.logical_id) if name is not None else None
-        usage = relay.Usage(self.metrics, target.logical_id, span)
+        usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
         evidence = relay.evidence(target, self.replica_names[replica.url])
         async with self._in_use(replica, name):
             with relay.upstream_errors(self.replica_names[replica.url]):
@@ -286,7 +286,7 @@ class Proxy:
                         replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
                     ) as upstream,
                 ):
-                    self.metrics.ttfb.labels(target.logical_id).observe(time.monotonic() - started)
+                    self.metrics.ttfb.observe(time.monotonic() - started)
                     if parsed.stream and upstream.content_type == "text/event-stream":
                         response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
                     else:

@@ -33,7 +33,8 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
 class Usage:
-    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics and the span."""
+    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics (under ``label``, from
+    ``Metrics.for_id``) and the span."""
 
     __slots__ = ("label", "metrics", "span")
 
