@@ -55,7 +55,7 @@ def type_text(annotation: Any) -> str:
         return "one of " + ", ".join(f"`{choice}`" for choice in get_args(annotation))
     if get_origin(annotation) is list:
         return f"list of {type_text(get_args(annotation)[0])}"
-    names = {str: "string", int: "integer", float: "number (seconds where it says so)", bool: "boolean",
+    names = {str: "string", int: "integer", float: "number", bool: "boolean",
              Path: "path", SecretStr: "secret string (never printed)"}  # fmt: skip
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
