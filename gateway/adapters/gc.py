@@ -11,11 +11,12 @@ A directory ``<store>/<digest>/`` is kept when any of these holds, and removed o
 
 Removal is safe against a concurrent publish, which writes the store first and the table second:
 
-1. the directory is renamed away (``.gc-<digest>-<random>``, atomic): from then on a publish of the same
-   bytes finds no directory and writes a fresh one, which the table then points at;
-2. then everything above is read again (the table, the listings, the directory's mtime). A publish that
-   found the directory before the rename has touched it (``young``) or has written the table (``current``):
-   the directory is put back (or, if a publish made a fresh copy meanwhile, the copy stays);
+1. each removable directory is renamed away (``.gc-<digest>-<random>``, atomic): from then on a publish
+   of the same bytes finds no directory and writes a fresh one, which the table then points at;
+2. then everything above is read again, once for all of them (the table, the listings, each directory's
+   mtime). A publish that found a directory before the rename has touched it (``young``) or has written
+   the table (``current``): the directory is put back (or, if a publish made a fresh copy meanwhile, the
+   copy stays);
 3. then the digest's version records are dropped under every logical ID (``lua/forget_version.lua``,
    refused when it is current), so no rollback can point the table at bytes that are gone: a rollback
    that ran before was refused there (the directory is put back), one after finds no such version;
@@ -108,42 +109,53 @@ async def sweep(
     dry_run: bool = False,
     now: float | None = None,
 ) -> Report:
-    """``collect``, then remove each removable directory (unless ``dry_run``) by the steps above."""
+    """``collect``, then remove the removable directories (unless ``dry_run``) by the steps above: all of
+    them renamed away, one second read, then each one put back or forgotten and deleted."""
     listings = {} if listings is None else listings
     report = Report(await collect(table, store, policy, listings, now=now))
+    if dry_run:
+        return report
+    trashed: dict[str, tuple[Path, Path]] = {}  # digest -> (its path, where it was renamed to)
     for entry in report.entries:
-        if entry.kept_because or dry_run:
+        if entry.kept_because:
             continue
         trash = store.root / f"{TRASH_PREFIX}{entry.digest}-{secrets.token_hex(4)}"
         try:
             os.rename(entry.path, trash)
         except FileNotFoundError:
             continue  # another gc took it
-        if await _still_removable(table, store, policy, listings, entry.digest, trash, now):
+        trashed[entry.digest] = (entry.path, trash)
+    if not trashed:
+        return report
+    now = time.time() if now is None else now
+    needed = await _needed(table, policy, listings, now)  # the second read
+    records: dict[str, list[str]] = {}  # digest -> the logical IDs that have a record of it
+    for logical_id in await read_ids(table):
+        for record in await read_versions(table, logical_id):
+            records.setdefault(record.digest, []).append(logical_id)
+    for digest, (path, trash) in trashed.items():
+        if await _still_removable(table, policy, needed, records.get(digest, []), digest, trash, now):
             shutil.rmtree(trash)
-            report.removed.append(entry.digest)
+            report.removed.append(digest)
         else:
-            _put_back(trash, entry.path)
-            report.restored.append(entry.digest)
+            _put_back(trash, path)
+            report.restored.append(digest)
     return report
 
 
 async def _still_removable(
     table: EpochTable,
-    store: AdapterStore,
     policy: Policy,
-    listings: Listings,
+    needed: dict[str, set[str]],
+    recorded_by: list[str],
     digest: str,
     trash: Path,
-    now: float | None,
+    now: float,
 ) -> bool:
-    now = time.time() if now is None else now
-    needed = await _needed(table, policy, listings, now)
     if needed.get(digest) or _prefix_reasons(needed, digest) or now - _mtime(trash) < policy.retention_s:
         return False
-    for logical_id in await read_ids(table):
-        recorded = any(r.digest == digest for r in await read_versions(table, logical_id))
-        if recorded and not await forget_version(table, logical_id, digest):
+    for logical_id in recorded_by:
+        if not await forget_version(table, logical_id, digest):
             return False  # a rollback made it current just now
     return True
 
