@@ -7,9 +7,9 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing apt-redis chaos chaos-spread
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing apt-redis apt-chromium chaos chaos-spread
 
-setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done apt-redis
+setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done apt-redis apt-chromium
 
 # Debian's redis-server and redis-sentinel: the failover tests start their own masters, replicas, sentinels
 # and cluster nodes on free ports (never the system service's 6379/26379). Installed only when missing: the
@@ -17,6 +17,12 @@ setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done apt-redis
 apt-redis:
 	(command -v redis-server && command -v redis-sentinel) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel)
+
+# Debian's chromium and chromium-driver: the status page test drives a real headless browser with Selenium
+# (tests/test_status_page.py). Installed only when missing, like apt-redis.
+apt-chromium:
+	(command -v chromium && command -v chromedriver) >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
 # kvgate itself, its tests, linter and type checker (light: no torch here).
 $(VENV)/.done: pyproject.toml

@@ -15,6 +15,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,8 @@ from gateway.request.boundary import ServerLog, openai_errors
 from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.request.routes import ROUTES, Route
+from gateway.request.status_page import PATH as STATUS_PAGE
+from gateway.request.status_page import operator_fields, status_page
 from gateway.serving import EDGE, EdgeLimits
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.connection import RedisClient
@@ -65,6 +68,7 @@ DRAIN = web.AppKey("drain", Drain)
 LEASES = web.AppKey("leases", Leases)
 QUARANTINE = web.AppKey("quarantine", Quarantine)
 ACTIVITY = web.AppKey("activity", dict[str, float])
+VERDICTS = web.AppKey("verdicts", dict[str, dict[str, dict[str, Any]]])  # the canary's last, for /kvgate/
 RESEEDER = web.AppKey("reseeder", Reseeder)
 CALLERS = web.AppKey("callers", Callers)
 AUTH = web.AppKey("auth", Auth)
@@ -107,6 +111,7 @@ def build_app(
     app[TABLE] = EpochTable(redis, tracer=app[TRACER], ack_timeout=settings.ack_within)
     app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
+    app[VERDICTS] = {}
     app[DRAIN] = Drain()
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
@@ -164,6 +169,7 @@ def build_app(
         app[ADMIN_LISTENER] = admin
     admin.router.add_get("/metrics", metrics_handler)
     admin.router.add_get("/kvgate/status", status_handler)
+    admin.router.add_get(STATUS_PAGE, status_page)  # HTML, no data: it fetches /kvgate/status with the token
     return app
 
 
@@ -213,8 +219,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         scheduler = Scheduler(settings.prefix_index_entries, budget=settings.max_adapters_per_replica)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
-            token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE]
-        )
+            token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
+            extra_fields=lambda: operator_fields(app[METRICS], app[VERDICTS]),
+        )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
         _warn_about_tenants(settings, dialect.cache_namespaces)
         options = ProxyOptions(
@@ -315,6 +322,8 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     if not interval:
         yield
         return
-    canary = Canary(app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE])
+    canary = Canary(
+        app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
+    )
     async with _background(periodically(interval, canary.run_round)):
         yield

@@ -1,5 +1,5 @@
-"""``kvgate``: serve, publish, rollback, bump, status, audit (``cli_audit.py``), demo, keys
-(``cli_keys.py``), script.
+"""``kvgate``: serve, publish, rollback, bump, audit (``cli_audit.py``), demo, keys (``cli_keys.py``),
+status, versions, history, gc (``cli_ops.py``), script.
 
 Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
@@ -28,6 +28,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.app import ADMIN_LISTENER, DRAIN, build_app
 from gateway.cli_audit import cmd_audit
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
+from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
 from gateway.config import Settings, describe_invalid, load_settings
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
@@ -37,7 +38,6 @@ from gateway.serving import running
 from gateway.settings_table import add_setting_flags, flag_overrides
 from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import assemble_script, operation_names
-from gateway.table.leases import live_gateways
 from gateway.telemetry.tracing import tracer_provider_from_env
 
 
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(publish, "publish")
     publish.add_argument("logical_id")
     publish.add_argument("adapter_dir", type=Path)
+    publish.add_argument("--progress", action="store_true", help="a progress bar even when not on a terminal")
 
     rollback = commands.add_parser("rollback", help="point a logical ID back at an earlier version")
     _common(rollback, "rollback")
@@ -67,9 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     bump = commands.add_parser("bump", help="new epoch (new cache namespace) for a logical ID")
     _common(bump, "bump")
     bump.add_argument("logical_id")
-
-    status = commands.add_parser("status", help="every logical ID: digest, epoch, replicas that loaded it")
-    _common(status, "status")
 
     audit = commands.add_parser("audit", help="cold-versus-warm coherence audit, per replica")
     _common(audit, "audit")
@@ -93,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fixture-dir", type=Path, required=True, help="tiny model and adapters")
 
     add_keys_parser(commands, lambda parser: _common(parser, "keys"))
+    add_ops_parsers(commands, _common)
 
     script = commands.add_parser("script", help="print an epoch table Lua script whole, for redis-cli --eval")
     script.add_argument("name", choices=operation_names(), help="lua/NAME.lua")
@@ -117,10 +116,12 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
     store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
     manifest = store.scan(args.adapter_dir)
-    async with open_table(settings, tracing) as table:
-        done = await publish_adapter(
-            table, store, args.logical_id, args.adapter_dir, settings.base_identity, manifest=manifest
-        )
+    with publish_progress(args.progress, manifest) as progress:
+        async with open_table(settings, tracing) as table:
+            done = await publish_adapter(
+                table, store, args.logical_id, args.adapter_dir, settings.base_identity, manifest=manifest,
+                progress=progress,
+            )  # fmt: skip
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
            "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
@@ -152,35 +153,6 @@ async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: Tracer
     _emit(
         args, {"logical_id": logical_id, "epoch": change.epoch}, f"bumped: {logical_id} epoch {change.epoch}"
     )
-
-
-async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
-    async with open_table(settings, tracing) as table:
-        view = await table.read_all()
-        loaded = await table.read_loaded()
-        gateways = await live_gateways(table)
-    rows: list[dict[str, Any]] = []
-    for state in view.states.values():
-        replicas = sorted(url for url, names in loaded.items() if names.get(state.name) == state.path)
-        rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
-                     "epoch": state.epoch, "base": state.base, "path": state.path,
-                     "loaded_on": replicas})  # fmt: skip
-    if args.json:
-        print(
-            json.dumps({"generation": view.generation, "logical_ids": rows, "gateways": gateways}, indent=2)
-        )
-        return
-    print(f"generation {view.generation}")
-    print(f"{'LOGICAL ID':<20} {'EPOCH':>5}  {'DIGEST':<18} LOADED ON")
-    for row in rows:
-        loaded_on = ", ".join(row["loaded_on"]) or "-"
-        print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<18} {loaded_on}")
-    print(f"\n{len(gateways)} kvgate(s) alive")
-    for gateway_id, doc in gateways.items():
-        print(f"  {gateway_id} on {doc.get('host')} (pid {doc.get('pid')})")
-        for finding in doc.get("quarantined", []):
-            print(f"    QUARANTINED {finding['name']} on {finding['replica']}: {finding['reason']} "
-                  f"(root {finding['root']})")  # fmt: skip
 
 
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
@@ -225,6 +197,9 @@ COMMANDS: dict[str, Command] = {
     "rollback": cmd_rollback,
     "bump": cmd_bump,
     "status": cmd_status,
+    "versions": cmd_versions,
+    "history": cmd_history,
+    "gc": cmd_gc,
     "demo": cmd_demo,
     "keys": cmd_keys,
 }

@@ -139,6 +139,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _drain_within_bound(self) -> Self:
+        """`max_drain` is at least `drain_grace`."""
         if self.max_drain < self.drain_grace:
             raise ValueError(
                 f"max_drain ({self.max_drain:g} s) must be at least drain_grace ({self.drain_grace:g} s)"
@@ -147,6 +148,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _lock_outlives_load(self) -> Self:
+        """`lock_ttl` exceeds `load_timeout` (a lock that expires mid-load lets a second kvgate load too)."""
         if self.lock_ttl <= self.load_timeout:
             raise ValueError(
                 f"lock_ttl ({self.lock_ttl:g} s) must exceed load_timeout ({self.load_timeout:g} s): "
@@ -156,6 +158,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _keys_outlive_a_reconcile(self) -> Self:
+        """With `auth = "api-keys"`, `auth_max_staleness` exceeds `reconcile_interval`."""
         if self.auth == "api-keys" and self.auth_max_staleness <= self.reconcile_interval:
             raise ValueError(
                 f"auth_max_staleness ({self.auth_max_staleness:g} s) must exceed reconcile_interval "
@@ -165,6 +168,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _admin_listener_apart(self) -> Self:
+        """`admin_host`:`admin_port` differs from `host`:`port` (the admin listener is a second one)."""
         if self.admin_port and (self.admin_host, self.admin_port) == (self.host, self.port):
             raise ValueError(f"admin_port ({self.admin_port}) must differ from port: it is a second listener")
         return self

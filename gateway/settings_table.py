@@ -18,7 +18,19 @@ from gateway.config import Settings
 
 START = "<!-- settings-table:start -->"
 END = "<!-- settings-table:end -->"
-COMMANDS = ("serve", "publish", "rollback", "bump", "status", "audit", "demo", "keys")
+COMMANDS = (
+    "serve",
+    "publish",
+    "rollback",
+    "bump",
+    "status",
+    "audit",
+    "demo",
+    "keys",
+    "versions",
+    "history",
+    "gc",
+)
 
 # Where the table and the store are, and which base and backend they belong to: every command reads them.
 _EVERY_COMMAND = frozenset(
@@ -32,6 +44,7 @@ _ALSO: dict[str, frozenset[str]] = {
     "publish": _ACKED | {"max_adapter_bytes"},
     "rollback": _ACKED,
     "bump": _ACKED,
+    "gc": frozenset({"replicas", "connect_timeout", "read_timeout"}),  # it asks the replicas what they list
 }
 _FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
 _METAVARS = {"replicas": "URL"}

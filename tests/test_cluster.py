@@ -23,6 +23,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.table import keys
 from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable, operation_names
+from gateway.table.inventory import forget_version
 from gateway.table.leases import LeaseTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from tests.conftest import MakeAdapter, eventually
@@ -88,6 +89,8 @@ async def test_the_epoch_table_on_a_cluster_and_one_slot_per_script(
                     assert [event["action"] for event in await table.read_history(tenant)] == [
                         "rollback", "bump", "publish", "publish"
                     ]  # fmt: skip
+                    assert not await forget_version(table, tenant, v1.digest)  # current: refused
+                    assert await forget_version(table, tenant, v2.digest)  # what gc does before deleting
                 assert not caplog.records, "the replica acknowledged every change in time"
                 assert await replica_reads(nodes.replica, "HGET", keys.state(replicated), "epoch") == b"4"
 

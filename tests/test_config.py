@@ -160,8 +160,9 @@ def test_drain_grace_flag_beats_environment_and_file(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_settings_from_passes_exactly_the_flags_the_command_has(command: str) -> None:
-    positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"],
-                   "demo": ["--vllm-python", "py", "--fixture-dir", "fx"], "keys": ["list"]}  # fmt: skip
+    positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"], "versions": ["t"],
+                   "history": ["t"], "demo": ["--vllm-python", "py", "--fixture-dir", "fx"],
+                   "keys": ["list"]}  # fmt: skip
     args = build_parser().parse_args([command, *positionals.get(command, [])])
     parsed = set(vars(args)) & set(Settings.model_fields)
     assert parsed == set(setting_names(command)) == set(flag_overrides(args, command))

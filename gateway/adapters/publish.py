@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.store import AdapterStore, Progress
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
@@ -36,13 +36,15 @@ async def publish_adapter(
     base: str,
     *,
     manifest: list[ManifestEntry] | None = None,
+    progress: Progress | None = None,
 ) -> Published:
-    """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already."""
+    """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
+    called with each chunk's bytes as the store copies them."""
     check_logical_id(logical_id)
     if manifest is None:
         manifest = store.scan(adapter_dir)
     await table.ensure_generation()  # Redis answers and takes writes: checked before the store is written
-    artifact = store.ingest(adapter_dir, manifest)
+    artifact = store.ingest(adapter_dir, manifest, progress)
     name = versioned_name(logical_id, artifact.digest)
     try:
         change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ INCOMING_PREFIX = ".incoming-"
 DEFAULT_MAX_BYTES = 2 << 30
 DIR_MODE, FILE_MODE = 0o755, 0o444
 _CHUNK = 1 << 20
+Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +62,26 @@ class AdapterStore:
             )
         return manifest
 
-    def ingest(self, source: Path, manifest: list[ManifestEntry] | None = None) -> StoredArtifact:
-        """Store SOURCE (MANIFEST: its ``scan``, when the caller has made it already)."""
+    def ingest(
+        self, source: Path, manifest: list[ManifestEntry] | None = None, progress: Progress | None = None
+    ) -> StoredArtifact:
+        """Store SOURCE (MANIFEST: its ``scan``, when the caller has made it already); PROGRESS is called
+        with the number of bytes of each chunk copied (a progress bar's advance)."""
         if manifest is None:
             manifest = self.scan(source)
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=INCOMING_PREFIX, dir=self.root))
         try:
-            _copy_manifest(source, staging, manifest)
+            _copy_manifest(source, staging, manifest, progress)
             digest = tree_digest(staging, manifest)
             final = self.path_for(digest)
-            if final.is_dir():
+            if _touched(final):  # published again: young for `kvgate gc` (gateway/adapters/gc.py)
                 return StoredArtifact(digest, final, created=False)
             _fsync_dir(staging)
             try:
                 os.rename(staging, final)
             except OSError:
-                if final.is_dir():  # a concurrent publish of the same bytes won the rename
+                if _touched(final):  # a concurrent publish of the same bytes won the rename
                     return StoredArtifact(digest, final, created=False)
                 raise
             _fsync_dir(self.root)
@@ -93,7 +98,9 @@ class AdapterStore:
         _fsync_dir(self.root)
 
 
-def _copy_manifest(source: Path, target: Path, manifest: list[ManifestEntry]) -> None:
+def _copy_manifest(
+    source: Path, target: Path, manifest: list[ManifestEntry], progress: Progress | None
+) -> None:
     for entry in manifest:
         dst = target / entry.relpath
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +109,8 @@ def _copy_manifest(source: Path, target: Path, manifest: list[ManifestEntry]) ->
             while left and (chunk := fin.read(min(_CHUNK, left))):
                 fout.write(chunk)
                 left -= len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
             if left or fin.read(1):  # shorter or longer than scanned: never copy more than was counted
                 raise InvalidAdapter(f"{entry.relpath!r} changed while it was being copied")
             fout.flush()
@@ -109,6 +118,17 @@ def _copy_manifest(source: Path, target: Path, manifest: list[ManifestEntry]) ->
         os.chmod(dst, FILE_MODE)
     for directory in {target, *(path.parent for path in target.rglob("*"))}:
         os.chmod(directory, DIR_MODE)  # mkdtemp makes 0700, and the umask may narrow the others
+
+
+def _touched(path: Path) -> bool:
+    """Whether PATH is a directory; if so its mtime is set to now (a directory gc keeps, as young)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except PermissionError:  # another user's directory: it stays as old as it was
+        pass
+    return path.is_dir()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import aiohttp
 
@@ -49,12 +50,16 @@ class Canary:
         activity: dict[str, float],
         metrics: Metrics,
         quarantine: Quarantine,
+        *,
+        verdicts: dict[str, dict[str, dict[str, Any]]] | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
         self.activity = activity
         self.metrics = metrics
         self.quarantine = quarantine
+        self.verdicts = {} if verdicts is None else verdicts
+        """Logical ID -> replica URL -> the last verdict there (the status page shows it)."""
         self._probes: dict[str, str] = {}
         """Base identity -> the probe sized for its replicas (their context and tokenizer)."""
         self._fingerprints: dict[str, Sample] = {}
@@ -117,6 +122,10 @@ class Canary:
             self.metrics.audits.labels(
                 self.metrics.for_id(logical_id), verdict.replica, verdict.verdict
             ).inc()
+            self.verdicts.setdefault(logical_id, {})[verdict.replica] = {
+                "verdict": verdict.verdict, "detail": verdict.detail,
+                "name": verdict.observation.served, "at_ms": int(time.time() * 1000),
+            }  # fmt: skip
             if verdict.verdict != COHERENT:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail

@@ -8,7 +8,9 @@ When the admin surface has a listener of its own (``admin_port``), the public li
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -44,6 +46,7 @@ class Admin:
         *,
         leases: Leases,
         quarantine: Quarantine,
+        extra_fields: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.token = token
         self.snapshot = snapshot
@@ -51,6 +54,7 @@ class Admin:
         self.index = index
         self.leases = leases
         self.quarantine = quarantine
+        self.extra_fields = extra_fields  # more of the status document (the status page's usage and audits)
 
     def check(self, request: web.Request) -> None:
         """A constant-time token check of UTF-8 bytes; always refused when kvgate has no admin token.
@@ -108,6 +112,7 @@ class Admin:
             "gateway_id": self.leases.gateway_id,
             "leases": [{"replica": url, "name": name} for url, name in sorted(self.leases.held())],
             "quarantined": [asdict(finding) for finding in self.quarantine.findings()],
+            **(self.extra_fields() if self.extra_fields else {}),
         }
         return web.json_response(doc)
 

@@ -15,6 +15,7 @@ local CODE = {
   PREFIX_TOO_SHORT = -4,   -- a digest prefix shorter than the minimum
   LEASED = -5,             -- a live lease holds the adapter: it may not be unloaded now
   UNLOADING = -6,          -- the adapter is being unloaded: no new lease on it
+  CURRENT = -7,            -- the version is current: it may not be forgotten
 }
 
 -- Leases live in one hash per replica, field '<versioned name>|<gateway id>' -> expiry (ms); the field

@@ -242,6 +242,10 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
 
         await eventually(caught, "the canary says replica-mismatch for the bad replica", within=120)
         async with http.get(f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}) as r:
-            quarantined = (await r.json())["quarantined"]
+            status = await r.json()
     assert verdicts(good, "replica-mismatch") == 0
+    quarantined = status["quarantined"]
     assert {(f["replica"], f["reason"]) for f in quarantined} <= {(bad.url, "canary: replica-mismatch")}
+    last = status["audits"]["canary"]  # the status page's "last audit verdict", per replica
+    assert last[good.url]["verdict"] == "coherent"
+    assert last[bad.url]["name"] == v1["name"]

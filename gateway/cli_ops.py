@@ -1,0 +1,214 @@
+"""Operator commands: ``kvgate versions ID``, ``history ID``, ``status`` (the version x replica matrix),
+``gc``, and the progress bar of ``publish``.
+
+``status`` reads Redis (the epoch table and the listings every kvgate records for each replica, with a
+TTL), so it needs no running kvgate and no admin token; a kvgate's own view is on its ``/kvgate/`` page.
+Each command prints a table, or JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from gateway.adapters import gc
+from gateway.adapters.store import AdapterStore
+from gateway.config import Settings
+from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
+from gateway.core.identity import ManifestEntry, check_logical_id
+from gateway.core.wire import replica_id
+from gateway.fleet.backends import dialect_for
+from gateway.open_table import open_table
+from gateway.table.inventory import read_versions
+from gateway.table.leases import live_gateways
+
+Common = Callable[[argparse.ArgumentParser, str], None]
+_DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)(?P<unit>[smhd]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MIN_RETENTION_S = 60.0
+
+
+def add_ops_parsers(commands: Any, common: Common) -> None:
+    """``versions``, ``history``, ``status`` and ``gc`` under ``commands`` (the top parser's subparsers)."""
+    versions = commands.add_parser("versions", help="a logical ID's published versions, newest first")
+    common(versions, "versions")
+    versions.add_argument("logical_id")
+    history = commands.add_parser("history", help="a logical ID's history: publish, rollback, bump")
+    common(history, "history")
+    history.add_argument("logical_id")
+    status = commands.add_parser("status", help="logical IDs x replicas: the version each replica has loaded")
+    common(status, "status")
+    collect = commands.add_parser(
+        "gc", help="remove store entries nothing needs (see gateway/adapters/gc.py)"
+    )
+    common(collect, "gc")
+    collect.add_argument("--keep", type=int, default=3, help="keep each logical ID's last N versions (3)")
+    collect.add_argument("--older-than", default="7d", help="retention: remove only older entries (7d)")
+    collect.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``: seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise BadRequest(
+            f"--older-than {text!r}: give a number with s, m, h or d (e.g. 7d)", param="older_than"
+        )
+    return float(match["n"]) * _UNIT_S[match["unit"]]
+
+
+def _when(ms: float) -> str:
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+async def cmd_versions(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    logical_id = check_logical_id(args.logical_id)
+    async with open_table(settings, tracing) as table:
+        records = await read_versions(table, logical_id)
+        state = await table.read_state(logical_id)
+    if not records:
+        raise ModelNotFound(f"logical ID {logical_id!r} has no published version", param="logical_id")
+    current = (state.base, state.digest) if state else None
+    rows = [{**r.to_json(), "current": (r.base, r.digest) == current} for r in records]
+    if args.json:
+        epoch = state.epoch if state else None
+        print(json.dumps({"logical_id": logical_id, "epoch": epoch, "versions": rows}, indent=2))
+        return
+    print(f"{'':2}{'DIGEST':<18}{'PUBLISHED (UTC)':<21}{'BASE':<20}NAME")
+    for row in rows:
+        mark = "*" if row["current"] else ""
+        when = _when(row["published_ms"])
+        print(f"{mark:<2}{row['digest'][:16]:<18}{when:<21}{row['base']:<20}{row['name']}")
+    print(f"\n(*: the current version, epoch {state.epoch})" if state else "\nno current version")
+
+
+async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    logical_id = check_logical_id(args.logical_id)
+    async with open_table(settings, tracing) as table:
+        events = await table.read_history(logical_id)
+    if not events:
+        raise ModelNotFound(f"logical ID {logical_id!r} has no history", param="logical_id")
+    if args.json:
+        print(json.dumps({"logical_id": logical_id, "history": events}, indent=2))
+        return
+    print(f"{'AT (UTC)':<21}{'EPOCH':>5}  {'ACTION':<10}{'DIGEST':<18}BASE")
+    for e in events:
+        at, digest = _when(e.get("at_ms", 0)), str(e.get("digest", ""))[:16]
+        print(f"{at:<21}{e.get('epoch', ''):>5}  {e.get('action', ''):<10}{digest:<18}{e.get('base', '')}")
+
+
+async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    async with open_table(settings, tracing) as table:
+        view = await table.read_all()
+        loaded = await table.read_loaded()
+        gateways = await live_gateways(table)
+    replicas = sorted(loaded)
+    rows: list[dict[str, Any]] = []
+    for state in view.states.values():
+        cells = {}
+        for url in replicas:
+            held = sorted(name for name in loaded[url] if name.startswith(f"{state.logical_id}@"))
+            current = loaded[url].get(state.name) == state.path
+            cells[url] = {"loaded": held, "current": current, "mismatch": any(n != state.name for n in held)}
+        rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
+                     "epoch": state.epoch, "base": state.base, "path": state.path,
+                     "loaded_on": [url for url in replicas if cells[url]["current"]],
+                     "replicas": cells})  # fmt: skip
+    if args.json:
+        matrix = {
+            "generation": view.generation,
+            "replicas": replicas,
+            "logical_ids": rows,
+            "gateways": gateways,
+        }
+        print(json.dumps(matrix, indent=2))
+        return
+    print(f"generation {view.generation}")
+    columns = [replica_id(url) for url in replicas]
+    print(f"{'LOGICAL ID':<20} {'EPOCH':>5}  {'CURRENT':<17}" + "".join(f"{c:<20}" for c in columns))
+    for row in rows:
+        print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<17}"
+              + "".join(f"{_cell(row['replicas'][url]):<20}" for url in replicas))  # fmt: skip
+    print("\n= current version loaded, ! another version of the ID loaded (a mismatch), - none")
+    for column, url in zip(columns, replicas, strict=True):
+        print(f"  {column}  {url}")
+    print(f"\n{len(gateways)} kvgate(s) alive")
+    for gateway_id, doc in gateways.items():
+        print(f"  {gateway_id} on {doc.get('host')} (pid {doc.get('pid')})")
+        for finding in doc.get("quarantined", []):
+            print(f"    QUARANTINED {finding['name']} on {finding['replica']}: {finding['reason']} "
+                  f"(root {finding['root']})")  # fmt: skip
+
+
+def _cell(cell: dict[str, Any]) -> str:
+    others = [name.split("@", 1)[1][:16] for name in cell["loaded"]]
+    if cell["mismatch"]:
+        return "!" + ",".join(others)
+    return "=" if cell["current"] else "-"
+
+
+async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
+    retention = parse_duration(args.older_than)
+    if retention < MIN_RETENTION_S:
+        raise BadRequest(f"--older-than must be at least {MIN_RETENTION_S:g} s (a publish must fit in it)")
+    if args.keep < 1:
+        raise BadRequest("--keep must be at least 1", param="keep")
+    listings = await _live_listings(settings)
+    store = AdapterStore(settings.store)
+    async with open_table(settings, tracing) as table:
+        report = await gc.sweep(table, store, gc.Policy(args.keep, retention), listings, dry_run=args.dry_run)
+    removable = [e for e in report.entries if not e.kept_because]
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "entries": [e.to_json() for e in report.entries],
+                          "removed": report.removed, "restored": report.restored}, indent=2))  # fmt: skip
+        return
+    print(f"{'DIGEST':<18}{'AGE':>8}  {'BYTES':>12}  KEPT BECAUSE")
+    for entry in report.entries:
+        why = ", ".join(entry.kept_because) or ("would remove" if args.dry_run else "removed")
+        if entry.digest in report.restored:
+            why = "needed again meanwhile: kept"
+        print(f"{entry.digest[:16]:<18}{entry.age_s / 86400:>7.1f}d  {entry.bytes:>12}  {why}")
+    freed = sum(e.bytes for e in removable if e.digest in report.removed)
+    verb = f"would remove {len(removable)}" if args.dry_run else f"removed {len(report.removed)}"
+    print(f"\n{verb} of {len(report.entries)} store entries ({freed} bytes freed)")
+
+
+async def _live_listings(settings: Settings) -> dict[str, dict[str, str]]:
+    """What each configured replica lists right now; one that does not answer stops gc (exit 1)."""
+    if not settings.replicas:
+        return {}
+    dialect = dialect_for(settings.backend)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout,
+                                    sock_read=settings.read_timeout)  # fmt: skip
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        try:
+            listings = await asyncio.gather(
+                *(dialect.list_adapters(session, url) for url in settings.replicas)
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise KvgateError(f"a replica did not list its adapters, nothing removed: {exc!r}") from exc
+    return {url: listing.adapters for url, listing in zip(settings.replicas, listings, strict=True)}
+
+
+@contextlib.contextmanager
+def publish_progress(wanted: bool, manifest: list[ManifestEntry]) -> Iterator[Callable[[int], None] | None]:
+    """A progress bar on stderr for the store copy, when stderr is a terminal or WANTED (``--progress``)."""
+    if not (wanted or sys.stderr.isatty()):
+        yield None
+        return
+    columns = ("copying {task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=Console(file=sys.stderr, force_terminal=wanted or None)) as bar:
+        task = bar.add_task("adapter", total=sum(entry.size for entry in manifest))
+        yield lambda n: bar.advance(task, n)
