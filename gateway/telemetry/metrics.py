@@ -51,6 +51,11 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.slot_wait = Histogram(
+            "kvgate_adapter_slot_wait_seconds",
+            "Time a load waited for a free adapter slot on a full budget (0: an idle one went at once)",
+            ["replica"], buckets=(0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
         self.quarantines = Counter(
             "kvgate_quarantines", "Adapters quarantined on a replica (its listing or the canary disagreed)",
             ["replica", "reason"], registry=r,
