@@ -6,6 +6,9 @@ LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streamin
 completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
 ``GET /stub/stats`` reports the counters and ``GET /stub/prompts`` how often each prompt came (a prompt
 seen twice is a duplicate upstream request), for load tests that run the stub as its own process.
+A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
+requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
+eviction took an adapter from under a request.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class StubState:
     hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
     listings: int = 0  # GET /v1/models answered or being answered
     listing_gate: asyncio.Event | None = None  # while set to an unset event, /v1/models waits for it
+    echo_errors: bool = False  # completions answer 400 naming the model they were sent
+    in_flight: Counter[str] = field(default_factory=Counter)  # completions running, per model name
+    unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
 
 
 STUB = web.AppKey("stub", StubState)
@@ -83,6 +89,7 @@ async def _unload(request: web.Request) -> web.Response:
     body = await request.json()
     if state.adapters.pop(body["lora_name"], None) is None:
         return web.json_response({"error": {"message": "not found", "type": "NotFoundError"}}, status=404)
+    state.unloads.append((body["lora_name"], state.in_flight[body["lora_name"]]))
     return web.Response(text="Success")
 
 
@@ -93,20 +100,31 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     state.received_headers.append(dict(request.headers))
     state.completions += 1
     state.prompts[str(body.get("prompt", body.get("messages", "")))] += 1
+    model = str(body.get("model"))
+    state.in_flight[model] += 1
     try:
         response = await _generate(request, state, body)
     except (asyncio.CancelledError, ConnectionResetError):
         state.cancelled += 1  # the caller left: a replica stops the generation here
         raise
+    finally:
+        state.in_flight[model] -= 1
     state.finished += 1
     return response
 
 
 async def _generate(request: web.Request, state: StubState, body: dict[str, Any]) -> web.StreamResponse:
     model = body["model"]
-    if model != state.base and model not in state.adapters:
-        msg = f"The model `{model}` does not exist."
-        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
+    if model != state.base and model not in state.adapters:  # vLLM 0.32's answer, byte for byte
+        error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model",
+                 "code": 404}  # fmt: skip
+        return web.json_response(
+            {"error": error}, status=404, dumps=lambda o: json.dumps(o, separators=(",", ":"))
+        )
+    if state.echo_errors:
+        error = {"message": f"`{model}` cannot take this request", "type": "BadRequestError",
+                 "param": "model", "code": 400}  # fmt: skip
+        return web.json_response({"error": error}, status=400)
     chat = request.path.endswith("chat/completions")
     try:
         stream = _STREAM.validate_python(body.get("stream"))
