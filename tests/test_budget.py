@@ -29,6 +29,9 @@ from tests.stub_backend import StubState, build_stub
 IDS = 1000
 BUDGET = 64
 CONCURRENCY = 16
+QUIET = {"drain_grace": 0.2, "reconcile_interval": 30.0}
+"""The IDs are all published before kvgate starts: no full re-read of the thousand (every second by
+default) competes with the requests for this one-process machine's CPU."""
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -37,7 +40,7 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 @asynccontextmanager
 async def gateway(redis: Redis, store: AdapterStore, stub: str, **overrides: Any) -> AsyncIterator[str]:
-    settings = Settings(replicas=[stub], store=store.root, **({"drain_grace": 0.2} | overrides))
+    settings = Settings(replicas=[stub], store=store.root, **(QUIET | overrides))
     async with running(build_app(settings, redis)) as url:
         yield url
 
@@ -48,7 +51,7 @@ async def gateway_process(redis_server: EmbeddedRedis, store: AdapterStore, stub
     port = free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub, "--port", str(port),
                "--redis-url", redis_server.url, "--store", str(store.root),
-               "--max-adapters-per-replica", str(BUDGET)]  # fmt: skip
+               "--max-adapters-per-replica", str(BUDGET), "--reconcile-interval", "30"]  # fmt: skip
     process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -153,7 +156,8 @@ async def test_a_full_budget_waits_then_answers_503_and_evicts_nothing_in_use(
     redis: Redis, store: AdapterStore, publish: Publish
 ) -> None:
     a, b = await publish("tenant-a", b"a"), await publish("tenant-b", b"b")
-    state = StubState(chunks=3, hold=asyncio.Event())
+    hold = asyncio.Event()
+    state = StubState(chunks=3, hold=hold)
     async with (
         running(build_stub(state)) as stub,
         gateway(redis, store, stub, max_adapters_per_replica=1, slot_wait_timeout=0.3) as url,
@@ -164,7 +168,7 @@ async def test_a_full_budget_waits_then_answers_503_and_evicts_nothing_in_use(
         with pytest.raises(openai.APIStatusError) as refused:
             await api.completions.create(model="tenant-b", prompt="p", max_tokens=1)
         assert list(state.adapters) == [a], "the adapter in use stayed"
-        state.hold.set()
+        hold.set()
         rest = [chunk async for chunk in stream]
         after = await api.completions.create(model="tenant-b", prompt="p", max_tokens=1)  # a slot is free
     assert refused.value.status_code == 503
