@@ -20,6 +20,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
 from gateway.core.identity import versioned_name
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id
 from gateway.serving import free_port, running
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
@@ -29,7 +30,8 @@ from tests.stub_backend import StubState, build_stub
 IDS = 1000
 BUDGET = 64
 CONCURRENCY = 16
-QUIET = {"drain_grace": 0.2, "reconcile_interval": 30.0}
+ADMIN_TOKEN = "test-admin-token"
+QUIET: dict[str, Any] = {"drain_grace": 0.2, "reconcile_interval": 30.0}
 """The IDs are all published before kvgate starts: no full re-read of the thousand (every second by
 default) competes with the requests for this one-process machine's CPU."""
 
@@ -40,7 +42,8 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 @asynccontextmanager
 async def gateway(redis: Redis, store: AdapterStore, stub: str, **overrides: Any) -> AsyncIterator[str]:
-    settings = Settings(replicas=[stub], store=store.root, **(QUIET | overrides))
+    defaults: dict[str, Any] = {"replicas": [stub], "store": store.root, **QUIET}
+    settings = Settings(**(defaults | overrides))
     async with running(build_app(settings, redis)) as url:
         yield url
 
@@ -204,6 +207,8 @@ async def test_a_replica_that_forgot_a_version_gets_it_back_and_the_request_succ
     assert raw.parse().model == "tenant-42"
     assert state.loads == [v1, v1], "loaded, forgotten, loaded again"
     assert failed.value.status_code == 503
+    assert "disk gone" in failed.value.response.text
+    assert "@" not in failed.value.response.text, "the error names the logical ID, not the versioned name"
 
 
 async def test_error_bodies_from_a_replica_never_show_a_versioned_name(
@@ -220,3 +225,43 @@ async def test_error_bodies_from_a_replica_never_show_a_versioned_name(
     text = refused.value.response.text
     assert "`tenant-42` cannot take this request" in text
     assert "@" not in text, text
+
+
+async def test_a_load_goes_to_a_replica_with_room_when_the_least_loaded_one_is_full(
+    redis: Redis, store: AdapterStore, publish: Publish
+) -> None:
+    a, b = await publish("tenant-a", b"a"), await publish("tenant-b", b"b")
+    hold_x, hold_y = asyncio.Event(), asyncio.Event()
+    x, y = StubState(chunks=2, hold=hold_x), StubState(chunks=2, hold=hold_y)
+    async with (
+        running(build_stub(x)) as url_x,
+        running(build_stub(y)) as url_y,
+        gateway(
+            redis,
+            store,
+            url_x,
+            replicas=[url_x, url_y],
+            max_adapters_per_replica=1,
+            slot_wait_timeout=0.3,
+            admin_token=ADMIN_TOKEN,
+        ) as url,  # fmt: skip
+        client(url) as api,
+    ):
+
+        def pinned(replica: str) -> dict[str, str]:
+            return {PIN_HEADER: replica, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+
+        streams = [  # X: one request, on its one adapter; Y: two base-model requests, no adapter
+            await api.completions.create(model=m, prompt="p", stream=True, extra_headers=pinned(r))
+            for m, r in (("tenant-a", url_x), ("base", url_y), ("base", url_y))
+        ]
+        for stream in streams:
+            await anext(aiter(stream))  # each holds after its first chunk
+        raw = await api.completions.with_raw_response.create(model="tenant-b", prompt="p", max_tokens=1)
+        hold_x.set()
+        hold_y.set()
+        for stream in streams:
+            _ = [chunk async for chunk in stream]
+    assert raw.headers["x-kvgate-replica"] == replica_id(url_y), "loaded where the budget had room"
+    assert list(x.adapters) == [a], "X's adapter in use stayed"
+    assert list(y.adapters) == [b]
