@@ -116,13 +116,18 @@ def report(what: str, state: StubState, run: Run) -> None:
           f"{len(state.adapters)} loaded at the end")  # fmt: skip
 
 
-def assert_no_eviction_under_a_request(state: StubState, run: Run, versions: dict[str, str]) -> None:
+def assert_no_eviction_under_a_request(
+    state: StubState, run: Run, versions: dict[str, str], slack: int
+) -> None:
+    """``slack``: adapters over the budget the replica may hold at the end (one kvgate counts its own
+    loads in flight; kvgates racing to load on one replica can pass it until their next loads evict)."""
     assert run.errors == [], f"{len(run.errors)} errors, first: {run.errors[:3]}"
     assert run.served == versions, "every ID answered by its own version"
-    assert len(state.unloads) >= IDS - BUDGET, "the budget made room (the test exercised evictions)"
+    assert len(state.loads) - len(state.unloads) == len(state.adapters)
+    assert len(state.adapters) <= BUDGET + slack
+    assert len(state.unloads) >= IDS - BUDGET - slack, "the budget made room (the test exercised evictions)"
     busy = [(name, n) for name, n in state.unloads if n]
     assert busy == [], f"unloaded with requests in flight: {busy[:5]}"
-    assert len(state.adapters) <= BUDGET + 1  # at most one load past it at the end, while a slot frees
 
 
 async def test_a_thousand_ids_on_a_budget_of_64_lose_no_request(
@@ -138,7 +143,7 @@ async def test_a_thousand_ids_on_a_budget_of_64_lose_no_request(
     ):
         run = await spread_over([url], ids, CONCURRENCY)
     report("one kvgate", state, run)
-    assert_no_eviction_under_a_request(state, run, versions)
+    assert_no_eviction_under_a_request(state, run, versions, slack=0)
 
 
 async def test_two_kvgate_processes_on_one_redis_lose_no_request(
@@ -152,7 +157,7 @@ async def test_two_kvgate_processes_on_one_redis_lose_no_request(
         urls = [await stack.enter_async_context(gateway_process(redis_server, store, stub)) for _ in range(2)]
         run = await spread_over(urls, ids, CONCURRENCY)
     report("two kvgate processes", state, run)
-    assert_no_eviction_under_a_request(state, run, versions)
+    assert_no_eviction_under_a_request(state, run, versions, slack=CONCURRENCY)
 
 
 async def test_a_full_budget_waits_then_answers_503_and_evicts_nothing_in_use(
