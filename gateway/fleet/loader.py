@@ -3,11 +3,9 @@
 ``ensure_loaded`` carries out the scheduler's "load on R". It is single-flight twice over: within this
 process (one task per replica and name) and across every kvgate (a Redis lock per version and replica).
 Loads always use the versioned name and the content-addressed root, never ``load_inplace``. Before a
-load, the replica's adapter budget is enforced in the scheduler's ``evictions`` order (never in use,
-retired first, then least recently used). What a request has reserved (``fleet.reservation``: here, or
-leased by another kvgate) is never evicted: when every adapter is in use, the load waits for one to
-come free, at most ``slot_wait`` seconds, then ``AdapterBudgetFull``. ``sweep`` unloads versions that
-are no longer current once they have been retired for the drain grace period and nothing reserves them.
+load, the replica's adapter budget makes room (``fleet.budget``: never evicting what a request
+reserved, waiting for a slot when all are). ``sweep`` unloads versions that are no longer current once
+they have been retired for the drain grace period and nothing reserves them.
 """
 
 from __future__ import annotations
@@ -16,16 +14,15 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
 from opentelemetry.trace import StatusCode, Tracer
 
-from gateway.core.errors import AdapterBudgetFull, NoEligibleReplica
+from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import VersionState
-from gateway.core.scheduler import evictions
 from gateway.fleet.backends import LoadFailed
+from gateway.fleet.budget import SLOT_POLL, AdapterBudget
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -36,10 +33,6 @@ from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-SLOT_POLL = 0.05
-"""Seconds between looks for a free adapter slot while every one is in use (another kvgate's requests
-end without telling this one; the look is cheap: only idle names cost a Redis call)."""
 
 
 class AdapterLoader:
@@ -68,11 +61,12 @@ class AdapterLoader:
         self.table = table
         self.snapshot = snapshot
         self.store_prefix = f"{store_root.resolve()}/"
-        self.budget = budget
         self.drain_grace = drain_grace
         self.load_timeout = load_timeout
-        self.slot_wait = slot_wait
-        self._pending: Counter[str] = Counter()  # replica URL -> loads past their room check, not listed yet
+        self.budget = AdapterBudget(
+            pool, snapshot, leases, metrics, budget=budget, slot_wait=slot_wait, managed=self._managed,
+            evict=lambda replica, name: self._unload(replica, name, reason="budget"),
+        )  # fmt: skip
         self.lock_ttl_ms = int(lock_ttl * 1000)
         self.metrics = metrics
         self.tracer = tracer
@@ -119,14 +113,10 @@ class AdapterLoader:
             if version.name in replica.listing.adapters:
                 # Same name from another root (another store, or loaded by hand): never trust it.
                 await self._unload(replica, version.name, reason="wrong-root", force=True)
-            await self._make_room(replica)
-            self._pending[replica.url] += 1  # the room found is this load's until the replica lists it
-            try:
+            async with self.budget.slot(replica):  # room made (or waited for), held until it is listed
                 await self._post_load(replica, version)
                 log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
                 await self.pool.refresh(replica)
-            finally:
-                self._pending[replica.url] -= 1
             await self._announce(replica)
             if not replica.serves(version.name, version.path):
                 listed = replica.listing.adapters.get(version.name)
@@ -179,62 +169,6 @@ class AdapterLoader:
     def _managed(self, replica: Replica) -> list[str]:
         """Adapters kvgate loaded: their root is in our content-addressed store."""
         return [name for name, root in replica.listing.adapters.items() if root.startswith(self.store_prefix)]
-
-    def has_room(self, replica: Replica) -> bool:
-        """Whether a load on ``replica`` could start now, as far as this kvgate knows: the budget has
-        room, or an adapter there is not reserved here (another kvgate may still lease it)."""
-        managed = self._managed(replica)
-        if len(managed) + self._pending[replica.url] < self.budget:
-            return True
-        return any(not replica.in_flight_by_name.get(name) for name in managed)
-
-    async def _make_room(self, replica: Replica) -> None:
-        """Unload idle adapters, least recently used across the fleet first, until one more fits. What
-        is reserved (here, or leased by another kvgate) is never taken: while nothing can go, wait for a
-        slot, at most ``slot_wait`` seconds, then ``AdapterBudgetFull``. While Redis cannot say who
-        leases what, nothing this kvgate does not use itself can be proven idle: the load goes over budget."""
-        started = time.monotonic()
-        waited = False
-        while True:
-            managed = self._managed(replica)
-            if len(managed) + self._pending[replica.url] < self.budget:
-                break
-            try:
-                last_used = await self.leases.last_use(replica.url)
-                blind = False
-            except REDIS_DOWN:
-                last_used, blind = dict(replica.last_used), True
-            victims = evictions(
-                managed,
-                in_use=replica.in_flight_by_name,
-                current=self.snapshot.current_names(),
-                last_used=last_used,
-            )
-            if await self._evict_one(replica, victims):
-                continue  # look again: a concurrent load may have taken the room meanwhile
-            if blind:
-                log.warning("loading on %s over its budget: Redis cannot say which adapters are idle",
-                            replica.url)  # fmt: skip
-                break
-            if time.monotonic() - started >= self.slot_wait:
-                self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
-                raise AdapterBudgetFull(
-                    f"the adapter budget of replica {replica.url} is full: all {self.budget} adapters "
-                    f"(max_adapters_per_replica) stayed in use for {self.slot_wait:g} s "
-                    "(slot_wait_timeout); retry later"
-                )
-            waited = True
-            await asyncio.sleep(SLOT_POLL)
-            await self.pool.refresh(replica)
-        if waited:
-            log.info("waited %.3f s for an adapter slot on %s", time.monotonic() - started, replica.url)
-        self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
-
-    async def _evict_one(self, replica: Replica, victims: list[str]) -> bool:
-        for victim in victims:
-            if await self._unload(replica, victim, reason="budget"):
-                return True
-        return False
 
     async def _unload(self, replica: Replica, name: str, *, reason: str, force: bool = False) -> bool:
         """Unload ``name`` once nothing reserves it, here or in another kvgate (``force``: whatever

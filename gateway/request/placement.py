@@ -16,8 +16,9 @@ import time
 from gateway.core.errors import AdapterBudgetFull, KvgateError, NoEligibleReplica, VersionUnloading
 from gateway.core.model import Target
 from gateway.core.scheduler import Decision, Scheduler
+from gateway.fleet.budget import SLOT_POLL
 from gateway.fleet.leases import Leases
-from gateway.fleet.loader import SLOT_POLL, AdapterLoader
+from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
 
@@ -51,7 +52,7 @@ class Placement:
         then loaded again), for at most ``slot_wait_timeout``."""
         pin_url = pin.url if pin is not None else None
         name = target.version.name if target.version is not None else None
-        down, deadline = 0, time.monotonic() + self.loader.slot_wait
+        down, deadline = 0, time.monotonic() + self.loader.budget.slot_wait
         while True:
             decision = self._decide(target, pin_url)
             try:
@@ -85,9 +86,9 @@ class Placement:
         """The scheduler's decision; a load goes to a replica of the base with room in its adapter
         budget (or an adapter not in use here) when the one picked has none."""
         decision = self.scheduler.decide(self.pool.replicas, target, pin=pin)
-        if decision.action == "serve" or self.loader.has_room(decision.replica):
+        if decision.action == "serve" or self.loader.budget.has_room(decision.replica):
             return decision
-        roomy = [r for r in self.pool.replicas if self.loader.has_room(r)]
+        roomy = [r for r in self.pool.replicas if self.loader.budget.has_room(r)]
         if not roomy:
             return decision  # the load waits for a slot there (slot_wait_timeout)
         try:
