@@ -24,6 +24,7 @@ from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id
 from gateway.serving import free_port, running
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.metrics import Metrics
 from tests.conftest import MakeAdapter, Publish, until_healthy
 from tests.stub_backend import StubState, build_stub
 
@@ -41,10 +42,12 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 
 @asynccontextmanager
-async def gateway(redis: Redis, store: AdapterStore, stub: str, **overrides: Any) -> AsyncIterator[str]:
+async def gateway(
+    redis: Redis, store: AdapterStore, stub: str, metrics: Metrics | None = None, **overrides: Any
+) -> AsyncIterator[str]:
     defaults: dict[str, Any] = {"replicas": [stub], "store": store.root, **QUIET}
     settings = Settings(**(defaults | overrides))
-    async with running(build_app(settings, redis)) as url:
+    async with running(build_app(settings, redis, metrics=metrics)) as url:
         yield url
 
 
@@ -136,13 +139,27 @@ async def test_a_thousand_ids_on_a_budget_of_64_lose_no_request(
     versions = await publish_many(table, store, make_adapter)
     ids = list(versions)
     random.Random(12).shuffle(ids)
-    state = StubState(reply_delay=0.002)
+    state, metrics = StubState(reply_delay=0.002), Metrics()
     async with (
         running(build_stub(state)) as stub,
-        gateway(redis, store, stub, max_adapters_per_replica=BUDGET) as url,
+        gateway(redis, store, stub, metrics, max_adapters_per_replica=BUDGET) as url,
     ):
         run = await spread_over([url], ids, CONCURRENCY)
     report("one kvgate", state, run)
+    assert metrics.registry.get_sample_value(
+        "kvgate_adapter_loads_total", {"replica": stub, "outcome": "loaded", "reason": "loaded"}
+    ) == len(state.loads), "every load counted, as a miss"
+    assert metrics.registry.get_sample_value(
+        "kvgate_adapter_unloads_total", {"replica": stub, "reason": "budget"}
+    ) == len(state.unloads)
+    waits = (
+        metrics.registry.get_sample_value("kvgate_adapter_slot_wait_seconds_count", {"replica": stub}) or 0
+    )
+    waited = metrics.registry.get_sample_value("kvgate_adapter_slot_wait_seconds_sum", {"replica": stub}) or 0
+    print(f"slot waits: {waits:.0f} loads found the budget full, {waited:.3f} s to get a slot in all")
+    assert 0 < waits <= len(state.loads) - BUDGET, (
+        "loads past the first 64 found it full (one eviction may serve several)"
+    )
     assert_no_eviction_under_a_request(state, run, versions, slack=0)
 
 

@@ -83,11 +83,12 @@ class AdapterBudget:
         slot, at most ``slot_wait`` seconds, then ``AdapterBudgetFull``. While Redis cannot say who
         leases what, nothing this kvgate does not use itself can be proven idle: the load goes over budget."""
         started = time.monotonic()
-        waited = False
+        full = waited = False
         while True:
             managed = self.managed(replica)
             if len(managed) + self.pending[replica.url] < self.budget:
                 break
+            full = True
             try:
                 last_used = await self.leases.last_use(replica.url)
                 blind = False
@@ -117,7 +118,8 @@ class AdapterBudget:
             await self.pool.refresh(replica)
         if waited:
             log.info("waited %.3f s for an adapter slot on %s", time.monotonic() - started, replica.url)
-        self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
+        if full:
+            self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
 
     async def _evict_one(self, replica: Replica, victims: list[str]) -> bool:
         for victim in victims:

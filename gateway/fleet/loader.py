@@ -72,25 +72,26 @@ class AdapterLoader:
         self.tracer = tracer
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    async def ensure_loaded(self, version: VersionState, replica: Replica) -> None:
-        """Load ``version`` on ``replica`` (the scheduler's choice), or raise ``NoEligibleReplica``.
+    async def ensure_loaded(self, version: VersionState, replica: Replica, reason: str = "loaded") -> None:
+        """Load ``version`` on ``replica`` (the scheduler's choice, for ``reason``: its decision's, which
+        labels the load counter), or raise ``NoEligibleReplica``.
 
         A replica that turns out to be down is marked unhealthy (the scheduler then looks elsewhere);
         a replica that refuses the load ends the attempt with its reason.
         """
-        await self._load_once(replica, version)
+        await self._load_once(replica, version, reason)
 
-    async def _load_once(self, target: Replica, version: VersionState) -> None:
+    async def _load_once(self, target: Replica, version: VersionState, reason: str) -> None:
         """Single-flight within this process: concurrent requests share one load task."""
         key = (target.url, version.name)
         task = self._loading.get(key)
         if task is None:
-            task = asyncio.create_task(self._load(target, version))
+            task = asyncio.create_task(self._load(target, version, reason))
             self._loading[key] = task
             task.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(task)
 
-    async def _load(self, replica: Replica, version: VersionState) -> None:
+    async def _load(self, replica: Replica, version: VersionState, reason: str) -> None:
         token = secrets.token_hex(8)
         deadline = time.monotonic() + self.load_timeout
         while version.name in replica.unloading:  # this kvgate is unloading it there: load it again after
@@ -114,7 +115,7 @@ class AdapterLoader:
                 # Same name from another root (another store, or loaded by hand): never trust it.
                 await self._unload(replica, version.name, reason="wrong-root", force=True)
             async with self.budget.slot(replica):  # room made (or waited for), held until it is listed
-                await self._post_load(replica, version)
+                await self._post_load(replica, version, reason)
                 log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
                 await self.pool.refresh(replica)
             await self._announce(replica)
@@ -127,7 +128,7 @@ class AdapterLoader:
             if locked:
                 await self._release(replica, version.name, token)
 
-    async def _post_load(self, replica: Replica, version: VersionState) -> None:
+    async def _post_load(self, replica: Replica, version: VersionState, reason: str) -> None:
         started = time.perf_counter()
         outcome = "failed"
         with self.tracer.start_as_current_span("kvgate.load") as span:
@@ -148,7 +149,7 @@ class AdapterLoader:
                 raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
             finally:
                 span.set_attribute(attr.OUTCOME, outcome)
-                self.metrics.loads.labels(replica.url, outcome).inc()
+                self.metrics.loads.labels(replica.url, outcome, reason).inc()
                 self.metrics.load_seconds.labels(replica.url).observe(time.perf_counter() - started)
 
     async def _acquire(self, replica: Replica, name: str, token: str) -> bool:

@@ -66,7 +66,7 @@ class Placement:
             if decision.action == "serve" or target.version is None:
                 return decision, reservation
             try:
-                await self.loader.ensure_loaded(target.version, decision.replica)
+                await self.loader.ensure_loaded(target.version, decision.replica, decision.reason)
                 return decision, reservation
             except NoEligibleReplica as exc:
                 reservation.release()
