@@ -211,6 +211,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_drain=settings.max_drain,
             load_timeout=settings.load_timeout,
             lock_ttl=settings.lock_ttl,
+            slot_wait=settings.slot_wait_timeout,
             leases=app[LEASES],
             quarantine=app[QUARANTINE],
             metrics=app[METRICS],

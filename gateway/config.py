@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     """This kvgate's id in the fleet (heartbeat and leases in Redis); default: a random one per start."""
     max_adapters_per_replica: int = Field(8, ge=1)
     """Adapters kvgate keeps loaded per replica; the least recently used idle one is evicted first."""
+    slot_wait_timeout: float = Field(30.0, gt=0)
+    """Seconds a load waits for an adapter slot while every adapter on the replica is in use (an adapter
+    in use is never evicted); then 503 adapter_budget_full."""
     max_body_bytes: int = Field(4 << 20, ge=1024)
     """Largest request body accepted; a larger one is refused with 413."""
     connect_timeout: float = Field(5.0, gt=0)

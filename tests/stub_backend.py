@@ -6,6 +6,9 @@ LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streamin
 completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
 ``GET /stub/stats`` reports the counters and ``GET /stub/prompts`` how often each prompt came (a prompt
 seen twice is a duplicate upstream request), for load tests that run the stub as its own process.
+A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
+requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
+eviction took an adapter from under a request.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class StubState:
     routed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body or form) per
     # request on the other model routes (embeddings, responses, tokenize, audio, ...)
     responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored /v1/responses by id
+    echo_errors: bool = False  # completions answer 400 naming the model they were sent
+    in_flight: Counter[str] = field(default_factory=Counter)  # completions running, per model name
+    unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
 
 
 STUB = web.AppKey("stub", StubState)
@@ -86,6 +92,7 @@ async def _unload(request: web.Request) -> web.Response:
     body = await request.json()
     if state.adapters.pop(body["lora_name"], None) is None:
         return web.json_response({"error": {"message": "not found", "type": "NotFoundError"}}, status=404)
+    state.unloads.append((body["lora_name"], state.in_flight[body["lora_name"]]))
     return web.Response(text="Success")
 
 
@@ -96,20 +103,27 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     state.received_headers.append(dict(request.headers))
     state.completions += 1
     state.prompts[str(body.get("prompt", body.get("messages", "")))] += 1
+    model = str(body.get("model"))
+    state.in_flight[model] += 1
     try:
         response = await _generate(request, state, body)
     except (asyncio.CancelledError, ConnectionResetError):
         state.cancelled += 1  # the caller left: a replica stops the generation here
         raise
+    finally:
+        state.in_flight[model] -= 1
     state.finished += 1
     return response
 
 
 async def _generate(request: web.Request, state: StubState, body: dict[str, Any]) -> web.StreamResponse:
     model = body.get("model") or state.base  # vLLM: no model is the served (base) model
-    if model != state.base and model not in state.adapters:
-        msg = f"The model `{model}` does not exist."
-        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
+    if (refused := _unknown(state, model)) is not None:
+        return refused
+    if state.echo_errors:
+        error = {"message": f"`{model}` cannot take this request", "type": "BadRequestError",
+                 "param": "model", "code": 400}  # fmt: skip
+        return web.json_response({"error": error}, status=400)
     chat = request.path.endswith("chat/completions")
     try:
         stream = _STREAM.validate_python(body.get("stream"))
@@ -169,8 +183,12 @@ async def _prompts(request: web.Request) -> web.Response:
 def _unknown(state: StubState, model: str) -> web.Response | None:
     if model == state.base or model in state.adapters:
         return None
-    msg = f"The model `{model}` does not exist."
-    return web.json_response({"error": {"message": msg, "type": "NotFoundError", "code": 404}}, status=404)
+    error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model",
+             "code": 404}  # fmt: skip
+    # vLLM 0.32's answer, byte for byte
+    return web.json_response(
+        {"error": error}, status=404, dumps=lambda o: json.dumps(o, separators=(",", ":"))
+    )
 
 
 async def _routed(request: web.Request) -> web.StreamResponse:

@@ -76,6 +76,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "lease_ttl": ("4", 4.0),
     "gateway_id": ("gw-east-1", "gw-east-1"),
     "max_adapters_per_replica": ("3", 3),
+    "slot_wait_timeout": ("4.5", 4.5),
     "max_body_bytes": ("2048", 2048),
     "connect_timeout": ("1.5", 1.5),
     "read_timeout": ("60", 60.0),

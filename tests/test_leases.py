@@ -61,7 +61,9 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a(gateway: Gat
     assert v2 in state.adapters
 
 
-async def test_an_eviction_skips_an_adapter_another_kvgate_is_using(gateway: Gateway, publish: Any) -> None:
+async def test_an_eviction_waits_for_an_adapter_another_kvgate_is_using(
+    gateway: Gateway, publish: Any
+) -> None:
     state = StubState(chunks=10, chunk_delay=0.1)
     a, b = await publish("tenant-a", b"a"), await publish("tenant-b", b"b")
     async with (
@@ -73,10 +75,15 @@ async def test_an_eviction_skips_an_adapter_another_kvgate_is_using(gateway: Gat
     ):
         stream = await api_b.completions.create(model="tenant-a", prompt="p", max_tokens=10, stream=True)
         texts = [(await anext(aiter(stream))).choices[0].text]
-        await api_a.completions.create(model="tenant-b", prompt="p", max_tokens=1)  # a full budget
-        assert {a, b} <= set(state.adapters), "A loaded b over budget rather than evict B's adapter"
-        texts += [chunk.choices[0].text async for chunk in stream]
+        needs_room = asyncio.create_task(api_a.completions.create(model="tenant-b", prompt="p", max_tokens=1))
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+            assert a in state.adapters, "A evicted B's adapter mid-stream"
+            assert b not in state.adapters, "A loaded over budget"
+        answer = await needs_room  # A waited for B's lease to go, then took its slot
     assert texts == [f"t{i}" for i in range(10)], "B's stream ran to its end"
+    assert answer.model == "tenant-b"
+    assert list(state.adapters) == [b]
 
 
 async def test_a_killed_gateways_leases_expire_within_their_time_to_live(

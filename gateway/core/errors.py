@@ -18,7 +18,9 @@
     │   ├── BackendTimeout           504 upstream_timeout
     │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
-    │   └── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
+    │   ├── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
+    │   ├── AdapterBudgetFull        503 service_unavailable    (every adapter slot stayed in use too long)
+    │   └── VersionForgotten         503 service_unavailable    (a replica lost a version kvgate loaded)
     ├── ShuttingDown                 503 service_unavailable    (this kvgate is draining: try another)
     ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
     │                                                            embedded one is owned by another kvgate)
@@ -175,6 +177,22 @@ class NoEligibleReplica(KvgateError):
 
 class VersionUnloading(NoEligibleReplica):
     """A kvgate is unloading the version from the chosen replica: no request may start on it there."""
+
+
+class AdapterBudgetFull(NoEligibleReplica):
+    """A version had to be loaded, but every adapter the replica may keep (``max_adapters_per_replica``)
+    stayed in use by running requests for ``slot_wait_timeout``, on every replica of its base."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model", code="adapter_budget_full")
+
+
+class VersionForgotten(NoEligibleReplica):
+    """A replica answered 404 for a versioned name kvgate had loaded there (it restarted, or someone
+    unloaded it): kvgate reloads it and retries once; this is the answer when that fails too."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model", code="version_forgotten")
 
 
 class ShuttingDown(KvgateError):

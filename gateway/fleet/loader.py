@@ -3,9 +3,9 @@
 ``ensure_loaded`` carries out the scheduler's "load on R". It is single-flight twice over: within this
 process (one task per replica and name) and across every kvgate (a Redis lock per version and replica).
 Loads always use the versioned name and the content-addressed root, never ``load_inplace``. Before a
-load, the replica's adapter budget is enforced in the scheduler's ``evictions`` order (never in use,
-retired first, then least recently used). ``sweep`` unloads versions that are no longer current once
-they have been retired for the drain grace period and no request here uses them.
+load, the replica's adapter budget makes room (``fleet.budget``: never evicting what a request
+reserved, waiting for a slot when all are). ``sweep`` unloads versions that are no longer current once
+they have been retired for the drain grace period and nothing reserves them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from opentelemetry.trace import StatusCode, Tracer
 
 from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import VersionState
-from gateway.core.scheduler import evictions
 from gateway.fleet.backends import LoadFailed
+from gateway.fleet.budget import SLOT_POLL, AdapterBudget
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -48,6 +48,7 @@ class AdapterLoader:
         max_drain: float,
         load_timeout: float,
         lock_ttl: float,
+        slot_wait: float,
         leases: Leases,
         quarantine: Quarantine,
         metrics: Metrics,
@@ -60,35 +61,43 @@ class AdapterLoader:
         self.table = table
         self.snapshot = snapshot
         self.store_prefix = f"{store_root.resolve()}/"
-        self.budget = budget
         self.drain_grace = drain_grace
         self.load_timeout = load_timeout
+        self.budget = AdapterBudget(
+            pool, snapshot, leases, metrics, budget=budget, slot_wait=slot_wait, managed=self._managed,
+            evict=lambda replica, name: self._unload(replica, name, reason="budget"),
+        )  # fmt: skip
         self.lock_ttl_ms = int(lock_ttl * 1000)
         self.metrics = metrics
         self.tracer = tracer
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    async def ensure_loaded(self, version: VersionState, replica: Replica) -> None:
-        """Load ``version`` on ``replica`` (the scheduler's choice), or raise ``NoEligibleReplica``.
+    async def ensure_loaded(self, version: VersionState, replica: Replica, reason: str = "loaded") -> None:
+        """Load ``version`` on ``replica`` (the scheduler's choice, for ``reason``: its decision's, which
+        labels the load counter), or raise ``NoEligibleReplica``.
 
         A replica that turns out to be down is marked unhealthy (the scheduler then looks elsewhere);
         a replica that refuses the load ends the attempt with its reason.
         """
-        await self._load_once(replica, version)
+        await self._load_once(replica, version, reason)
 
-    async def _load_once(self, target: Replica, version: VersionState) -> None:
+    async def _load_once(self, target: Replica, version: VersionState, reason: str) -> None:
         """Single-flight within this process: concurrent requests share one load task."""
         key = (target.url, version.name)
         task = self._loading.get(key)
         if task is None:
-            task = asyncio.create_task(self._load(target, version))
+            task = asyncio.create_task(self._load(target, version, reason))
             self._loading[key] = task
             task.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(task)
 
-    async def _load(self, replica: Replica, version: VersionState) -> None:
+    async def _load(self, replica: Replica, version: VersionState, reason: str) -> None:
         token = secrets.token_hex(8)
         deadline = time.monotonic() + self.load_timeout
+        while version.name in replica.unloading:  # this kvgate is unloading it there: load it again after
+            if time.monotonic() > deadline:
+                raise NoEligibleReplica(f"timed out waiting for the unload of {version.name} to end")
+            await asyncio.sleep(SLOT_POLL)
         locked = await self._acquire(replica, version.name, token)
         while not locked:  # another kvgate is loading it: watch the replica until it lists it
             await asyncio.sleep(0.2)
@@ -105,10 +114,10 @@ class AdapterLoader:
             if version.name in replica.listing.adapters:
                 # Same name from another root (another store, or loaded by hand): never trust it.
                 await self._unload(replica, version.name, reason="wrong-root", force=True)
-            await self._make_room(replica)
-            await self._post_load(replica, version)
-            log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
-            await self.pool.refresh(replica)
+            async with self.budget.slot(replica):  # room made (or waited for), held until it is listed
+                await self._post_load(replica, version, reason)
+                log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
+                await self.pool.refresh(replica)
             await self._announce(replica)
             if not replica.serves(version.name, version.path):
                 listed = replica.listing.adapters.get(version.name)
@@ -119,7 +128,7 @@ class AdapterLoader:
             if locked:
                 await self._release(replica, version.name, token)
 
-    async def _post_load(self, replica: Replica, version: VersionState) -> None:
+    async def _post_load(self, replica: Replica, version: VersionState, reason: str) -> None:
         started = time.perf_counter()
         outcome = "failed"
         with self.tracer.start_as_current_span("kvgate.load") as span:
@@ -140,7 +149,7 @@ class AdapterLoader:
                 raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
             finally:
                 span.set_attribute(attr.OUTCOME, outcome)
-                self.metrics.loads.labels(replica.url, outcome).inc()
+                self.metrics.loads.labels(replica.url, outcome, reason).inc()
                 self.metrics.load_seconds.labels(replica.url).observe(time.perf_counter() - started)
 
     async def _acquire(self, replica: Replica, name: str, token: str) -> bool:
@@ -162,30 +171,18 @@ class AdapterLoader:
         """Adapters kvgate loaded: their root is in our content-addressed store."""
         return [name for name, root in replica.listing.adapters.items() if root.startswith(self.store_prefix)]
 
-    async def _make_room(self, replica: Replica) -> None:
-        """Unload idle adapters, least recently used across the fleet first, until one more fits;
-        a name another kvgate leases is skipped, and every name while Redis cannot say who leases it (if
-        nothing can go, the load goes over budget)."""
-        managed = self._managed(replica)
-        if len(managed) < self.budget:
-            return
-        try:
-            last_used = await self.leases.last_use(replica.url)
-        except REDIS_DOWN:
-            last_used = dict(replica.last_used)
-        victims = evictions(
-            managed,
-            in_use=replica.in_flight_by_name,
-            current=self.snapshot.current_names(),
-            last_used=last_used,
-        )
-        while len(managed) >= self.budget and victims:
-            victim = victims.pop(0)
-            if await self._unload(replica, victim, reason="budget"):
-                managed.remove(victim)
-
     async def _unload(self, replica: Replica, name: str, *, reason: str, force: bool = False) -> bool:
-        """Unload ``name`` once no live kvgate leases it (``force``: whatever leases it); True if gone."""
+        """Unload ``name`` once nothing reserves it, here or in another kvgate (``force``: whatever
+        reserves it); True if gone. From the check on, no reservation of it can start here."""
+        if name in replica.unloading or (replica.in_flight_by_name.get(name) and not force):
+            return False
+        replica.unloading.add(name)  # no await between the check and this: no reservation slips in
+        try:
+            return await self._claimed_unload(replica, name, reason=reason, force=force)
+        finally:
+            replica.unloading.discard(name)
+
+    async def _claimed_unload(self, replica: Replica, name: str, *, reason: str, force: bool) -> bool:
         if not await self._claim(replica, name, force=force):
             return False
         unloaded = False

@@ -46,6 +46,8 @@ class Replica:
         self.in_flight = 0
         self.in_flight_by_name: Counter[str] = Counter()
         self.last_used: dict[str, float] = {}
+        self.unloading: set[str] = set()
+        """Versioned names this kvgate is unloading here: never served, never reserved meanwhile."""
         self.quarantined: dict[str, str] = {}
         """Versioned name -> the root it is quarantined for here (written by ``fleet.quarantine`` only)."""
 
@@ -62,8 +64,9 @@ class Replica:
 
     def serves(self, name: str, root: str) -> bool:
         """Eligible for a version only when it lists the versioned name with the content-addressed root,
-        and that name is not quarantined here from that root."""
-        return self.listing.adapters.get(name) == root and self.quarantined.get(name) != root
+        that name is not quarantined here from that root, and this kvgate is not unloading it."""
+        listed = self.listing.adapters.get(name) == root
+        return listed and self.quarantined.get(name) != root and name not in self.unloading
 
     def begin(self, name: str | None) -> None:
         self.in_flight += 1

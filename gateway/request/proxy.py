@@ -15,11 +15,9 @@ caller's ``Authorization`` (kvgate's credential) never goes on to a replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -29,8 +27,7 @@ from gateway.core.errors import (
     BackendUnreachable,
     ClientClosed,
     KvgateError,
-    NoEligibleReplica,
-    VersionUnloading,
+    VersionForgotten,
 )
 from gateway.core.identity import is_logical_id
 from gateway.core.model import Target
@@ -47,10 +44,12 @@ from gateway.fleet.backends import BackendDialect
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.fleet.reservation import Reservation
 from gateway.request import relay
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found
 from gateway.request.intake import Intake, ParsedRequest, upstream_body
+from gateway.request.placement import Placement
 from gateway.request.routes import Route
 from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
@@ -91,6 +90,7 @@ class Proxy:
         self.loader = loader
         self.leases = leases
         self.scheduler = scheduler
+        self.placement = Placement(pool, scheduler, loader, leases)
         self.admin = admin
         self.dialect = dialect
         self.options = options
@@ -135,30 +135,37 @@ class Proxy:
     async def schedule_and_forward(
         self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
     ) -> web.StreamResponse:
-        """Stages 3 and 4. A replica that fails before the first byte reaches the client is marked
-        unhealthy (until its next good poll) and the request goes to the next eligible one; pinned
-        requests are never moved. After the first byte, errors travel as a final SSE event instead.
-        A client that leaves (``ClientClosed``) or a replica without a free connection (``ReplicaBusy``)
-        is no fault of the replica: neither marks it nor retries."""
+        """Stages 3 and 4, under the request's ``Reservation`` from the decision to the last byte. A
+        replica that fails before the first byte reaches the client is marked unhealthy (until its next
+        good poll) and the request goes to the next eligible one; pinned requests are never moved. A
+        replica that answers it does not have the version (``VersionForgotten``) is looked at again and
+        the request retried once (the version is loaded there again). After the first byte, errors
+        travel as a final SSE event instead. A client that leaves (``ClientClosed``) or a replica
+        without a free connection (``ReplicaBusy``) is no fault of the replica: neither marks it nor
+        retries."""
         pin = parsed.admin.pin
-        for attempt in range(len(self.pool.replicas)):
-            decision = await self.schedule(target, pin)
+        attempts, forgotten = len(self.pool.replicas), False
+        while True:
+            decision, reservation = await self.schedule(target, pin)
             _describe_decision(span, decision, target)
             self.metrics.routing.labels(decision.reason).inc()
             self.metrics.prefix_matched_blocks.observe(decision.matched_blocks)
             try:
-                return await self.forward(request, parsed, target, decision.replica, span, started)
-            except VersionUnloading:  # another kvgate is unloading it there: look again (load or elsewhere)
+                return await self.forward(request, parsed, target, reservation, span, started)
+            except VersionForgotten:
                 await self.pool.refresh(decision.replica)
-                if attempt + 1 == len(self.pool.replicas):
+                if forgotten:
                     raise
-                continue
+                forgotten = True
+                self.metrics.routing.labels("reload").inc()
             except BackendUnreachable:
                 decision.replica.healthy = False
-                if pin is not None or attempt + 1 == len(self.pool.replicas):
+                attempts -= 1
+                if pin is not None or attempts == 0:
                     raise
                 self.metrics.routing.labels("retry").inc()
-        raise NoEligibleReplica("no replica left to try")
+            finally:
+                reservation.release()
 
     # --- stage 1: parse (``intake``: the body as the route's kind says; follow-ups pinned) ---------
 
@@ -186,22 +193,9 @@ class Proxy:
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
-    async def schedule(self, target: Target, pin: Replica | None) -> Decision[Replica]:
-        """The scheduler's decision, carried out: a "load on R" loads first. A replica that turns out
-        to be down during the load is marked unhealthy and the scheduler decides again (unless pinned)."""
-        pin_url = pin.url if pin is not None else None
-        for _ in range(len(self.pool.replicas)):
-            decision = self.scheduler.decide(self.pool.replicas, target, pin=pin_url)
-            if decision.action == "serve" or target.version is None:
-                return decision
-            try:
-                await self.loader.ensure_loaded(target.version, decision.replica)
-                return decision
-            except NoEligibleReplica:
-                if pin is not None or decision.replica.healthy:
-                    raise
-                log.warning("%s is down; loading %s elsewhere", decision.replica.url, target.version.name)
-        raise NoEligibleReplica(f"no replica could serve {target.logical_id!r}", param="model")
+    async def schedule(self, target: Target, pin: Replica | None) -> tuple[Decision[Replica], Reservation]:
+        """The scheduler's decision carried out, under the request's reservation (``placement``)."""
+        return await self.placement.place(target, pin)
 
     # --- stage 4: forward ------------------------------------------------------------------------
 
@@ -210,10 +204,11 @@ class Proxy:
         request: web.Request,
         parsed: ParsedRequest,
         target: Target,
-        replica: Replica,
+        reservation: Reservation,
         span: Span,
         started: float,
     ) -> web.StreamResponse:
+        replica = reservation.replica
         name = target.version.name if target.version is not None else None
         route = parsed.route
         body = upstream_body(parsed, target, replica.url, self.dialect, namespaces=self.options.namespaces)
@@ -227,38 +222,29 @@ class Proxy:
         evidence = relay.evidence(target, self.replica_names[replica.url])
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         response: web.StreamResponse
-        async with self._in_use(replica, name):
-            with relay.upstream_errors(self.replica_names[replica.url]):
-                # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
-                async with (
-                    replica.connection(),
-                    self.pool.session.request(
-                        route.method, replica.url + path, data=body, headers=headers
-                    ) as upstream,
-                ):
-                    self.metrics.ttfb.observe(time.monotonic() - started)
-                    if route.kind == "model-card":
-                        response = await relay.relay_card(upstream, name or parsed.model, target, evidence)
-                    elif parsed.stream and upstream.content_type == "text/event-stream":
-                        response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
-                    else:
-                        response = await relay.relay_body(upstream, rewrite, usage, evidence)
-            if response.status == 200:
-                self.scheduler.served(target, replica)
-            return response
-
-    @contextlib.asynccontextmanager
-    async def _in_use(self, replica: Replica, name: str | None) -> AsyncIterator[None]:
-        """Count the request on the replica (and lease its version there, fleet-wide) while it runs."""
-        if name is not None and not await self.leases.acquire(replica.url, name):
-            raise VersionUnloading(f"{name} is being unloaded from {replica.url}")
-        replica.begin(name)
-        try:
-            yield
-        finally:
-            replica.end(name)
-            if name is not None:
-                self.leases.release(replica.url, name)
+        with relay.upstream_errors(self.replica_names[replica.url]):
+            # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
+            async with (
+                replica.connection(),
+                self.pool.session.request(
+                    route.method, replica.url + path, data=body, headers=headers
+                ) as upstream,
+            ):
+                self.metrics.ttfb.observe(time.monotonic() - started)
+                if rewrite is not None and await rewrite.forgotten(upstream):
+                    raise VersionForgotten(
+                        f"replica {self.replica_names[replica.url]} does not have {target.logical_id!r}'s "
+                        "version loaded (it restarted, or it was unloaded there); retry"
+                    )
+                if route.kind == "model-card":
+                    response = await relay.relay_card(upstream, name or parsed.model, target, evidence)
+                elif parsed.stream and upstream.content_type == "text/event-stream":
+                    response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
+                else:
+                    response = await relay.relay_body(upstream, rewrite, usage, evidence)
+        if response.status == 200:
+            self.scheduler.served(target, replica)
+        return response
 
 
 def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite | None:

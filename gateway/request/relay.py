@@ -1,7 +1,8 @@
 """Moving bytes between a replica and a client: model names rewritten both ways, SSE relayed, usage read.
 
 Coming out, the versioned name is rewritten back to the logical ID in the body and in every SSE line
-(as bytes, no JSON parse), the evidence headers say which effective model answered, and the backend's
+(as bytes, no JSON parse; in an error body, wherever it appears: a client never sees a versioned
+name it did not send), the evidence headers say which effective model answered, and the backend's
 ``usage`` numbers go to metrics and the span. ``upstream_errors`` is the one place upstream client errors
 become kvgate errors.
 
@@ -60,9 +61,10 @@ class ModelRewrite:
     so generated text is never altered; versioned names are unique, so no parse is needed.
     """
 
-    __slots__ = ("pairs",)
+    __slots__ = ("logical", "pairs", "versioned")
 
     def __init__(self, versioned: str, logical: str) -> None:
+        self.versioned, self.logical = versioned.encode(), logical.encode()
         v, lg = json.dumps(versioned).encode(), json.dumps(logical).encode()
         self.pairs = ((b'"model":' + v, b'"model":' + lg), (b'"model": ' + v, b'"model": ' + lg))
 
@@ -71,6 +73,15 @@ class ModelRewrite:
             if old in data:
                 data = data.replace(old, new)
         return data
+
+    def scrub(self, data: bytes) -> bytes:
+        """An error body (no generated text in it): the versioned name becomes the logical ID everywhere."""
+        return data.replace(self.versioned, self.logical)
+
+    async def forgotten(self, upstream: aiohttp.ClientResponse) -> bool:
+        """Whether the replica answered that it does not have the versioned name (vLLM: 404, "The model
+        `<name>` does not exist."): it restarted, or someone else unloaded it."""
+        return upstream.status == 404 and self.versioned in await upstream.read()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,8 +97,18 @@ class AnyVersionRewrite:
     __slots__ = ()
     _VERSIONED = re.compile(rb'("model":\s?")([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}"')
 
+    _ANY_NAME = re.compile(rb"([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}")
+
     def apply(self, data: bytes) -> bytes:
         return self._VERSIONED.sub(rb'\1\2"', data) if b"@" in data else data
+
+    def scrub(self, data: bytes) -> bytes:
+        """An error body: every versioned name becomes its logical ID."""
+        return self._ANY_NAME.sub(rb"\1", data) if b"@" in data else data
+
+    async def forgotten(self, upstream: aiohttp.ClientResponse) -> bool:
+        """No version is known in advance here, so none can be found forgotten."""
+        return False
 
 
 ANY_VERSION = AnyVersionRewrite()
@@ -123,6 +144,8 @@ async def relay_body(
     upstream: aiohttp.ClientResponse, rewrite: Rewrite | None, usage: Usage, headers: dict[str, str]
 ) -> web.Response:
     payload = await upstream.read()
+    if upstream.status >= 400 and rewrite is not None:
+        payload = rewrite.scrub(payload)
     response = web.Response(body=transform(payload, rewrite, usage), status=upstream.status, headers=headers)
     response.content_type = upstream.content_type
     return response

@@ -57,7 +57,10 @@ class Metrics:
             "kvgate_prefix_matched_blocks", "Leading prompt blocks the chosen replica was predicted to hold",
             buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r,
         )  # fmt: skip
-        self.loads = Counter("kvgate_adapter_loads", "Adapter loads", ["replica", "outcome"], registry=r)
+        self.loads = Counter(
+            "kvgate_adapter_loads", "Adapter loads, by the scheduler's reason (loaded: a miss; spread: hot)",
+            ["replica", "outcome", "reason"], registry=r,
+        )  # fmt: skip
         self.load_seconds = Histogram(
             "kvgate_adapter_load_seconds",
             "Adapter load latency",
@@ -66,6 +69,11 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.slot_wait = Histogram(
+            "kvgate_adapter_slot_wait_seconds",
+            "Time a load on a full budget took to get a slot: evicting an idle adapter, or waiting for one",
+            ["replica"], buckets=(0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
         self.quarantines = Counter(
             "kvgate_quarantines", "Adapters quarantined on a replica (its listing or the canary disagreed)",
             ["replica", "reason"], registry=r,

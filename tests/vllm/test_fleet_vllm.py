@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.core.errors import AuditError
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import complete
@@ -147,7 +148,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
         await eventually(v2_gone, "A unloads v2 once the killed B's lease expired (lease_ttl 2 s)", within=60)
 
 
-async def test_an_eviction_skips_an_adapter_b_streams_on(
+async def test_an_eviction_never_takes_the_adapter_b_streams_on(
     make_gateway: GatewayFactory,
     vllm_replicas: list[VllmProcess],
     redis_server: EmbeddedRedis,
@@ -159,16 +160,20 @@ async def test_an_eviction_skips_an_adapter_b_streams_on(
     a = await publish("budget-a", fixture_dir / "adapters" / "v1", redis_server, store)
     await publish("budget-b", fixture_dir / "adapters" / "v2", redis_server, store)
     async with (
-        make_gateway(**FAST, max_adapters_per_replica=1) as gateway_a,
+        make_gateway(**FAST, max_adapters_per_replica=1, slot_wait_timeout=0.5) as gateway_a,
         kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, _),
     ):
         started = asyncio.Event()
         stream = asyncio.create_task(long_stream(http, url_b, "budget-a", replica, started))
         await asyncio.wait_for(started.wait(), 60)
         headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
-        await complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)  # budget full
-        assert a["name"] in await loaded(http, replica), "A did not evict the adapter B streams on"
+        with pytest.raises(AuditError) as full:  # budget full, its one adapter in use by B
+            await complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)
+        assert not stream.done(), "B's 400-token stream outlasts A's half-second wait for a slot"
+        assert a["name"] in await loaded(http, replica), "A evicted the adapter B streams on"
         assert await stream == (400, False)
+    assert "503" in str(full.value)
+    assert "adapter_budget_full" in str(full.value)
 
 
 async def test_an_out_of_band_load_is_quarantined_reported_and_repaired(
