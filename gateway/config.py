@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     """The served model name of the pool's base model: what clients send for base requests."""
     base_model_root: str | None = None
     """If set, a replica's base must also report this ``root`` in /v1/models to be eligible."""
+    base_model_dirs: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``NAME=PATH``: where kvgate reads base model NAME's files to fingerprint its bytes (flag: repeat
+    it; environment: comma-separated); without one, the root a replica lists is read when it is a
+    directory here."""
+    base_print_tolerance: float = Field(0.01, ge=0)
+    """Least logprob tolerance when comparing base fingerprints (greedy tokens must match exactly)."""
 
     reconcile_interval: float = Field(1.0, gt=0)
     """Seconds between full re-reads of the epoch table (change hints arrive sooner)."""
@@ -136,6 +142,22 @@ class Settings(BaseSettings):
         if isinstance(value, list):
             return [str(url).strip().rstrip("/") for url in value]
         return value
+
+    @field_validator("base_model_dirs", mode="before")
+    @classmethod
+    def _split_base_dirs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        for entry in value if isinstance(value, list) else []:
+            name, _, path = str(entry).partition("=")
+            if not name or not path:
+                raise ValueError(f"base_model_dirs entries are NAME=PATH, not {entry!r}")
+        return value
+
+    @property
+    def base_model_dir_map(self) -> dict[str, Path]:
+        """Base name -> the directory its files are read from (``base_model_dirs``)."""
+        return {name: Path(path) for name, _, path in (e.partition("=") for e in self.base_model_dirs)}
 
     @model_validator(mode="after")
     def _drain_within_bound(self) -> Self:

@@ -6,6 +6,9 @@ LLM's pace (``chunk_delay`` per SSE chunk, ``reply_delay`` before a non-streamin
 completions whose caller left before the end (``cancelled``), as a replica that stops a generation does.
 ``GET /stub/stats`` reports the counters and ``GET /stub/prompts`` how often each prompt came (a prompt
 seen twice is a duplicate upstream request), for load tests that run the stub as its own process.
+kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered with
+greedy text and token logprobs that follow ``weights`` (change it: another base under the same name)
+and counted in ``probes``, apart from the requests tests look at.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
+
+from gateway.core.base_print import PROBE_PROMPT
 
 _STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
@@ -44,6 +49,8 @@ class StubState:
     hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
     listings: int = 0  # GET /v1/models answered or being answered
     listing_gate: asyncio.Event | None = None  # while set to an unset event, /v1/models waits for it
+    weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
+    probes: int = 0  # base-fingerprint probes answered
 
 
 STUB = web.AppKey("stub", StubState)
@@ -89,6 +96,9 @@ async def _unload(request: web.Request) -> web.Response:
 async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[STUB]
     body = await request.json()
+    if body.get("prompt") == PROBE_PROMPT and body.get("model") == state.base:
+        state.probes += 1
+        return web.json_response(_probe_answer(state.weights))
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
     state.completions += 1
@@ -142,6 +152,13 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _probe_answer(weights: int) -> dict[str, Any]:
+    logprobs = {"token_logprobs": [-0.5 - 0.01 * weights - 0.001 * i for i in range(8)]}
+    choice = {"index": 0, "text": f" w{weights}", "logprobs": logprobs, "finish_reason": "length"}
+    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}}  # fmt: skip
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:

@@ -36,8 +36,10 @@ async def publish_adapter(
     base: str,
     *,
     manifest: list[ManifestEntry] | None = None,
+    base_print: str = "",
 ) -> Published:
-    """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already."""
+    """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already;
+    BASE_PRINT: the fingerprint of BASE (``core.base_print``), '' when none could be taken."""
     check_logical_id(logical_id)
     if manifest is None:
         manifest = store.scan(adapter_dir)
@@ -45,7 +47,7 @@ async def publish_adapter(
     artifact = store.ingest(adapter_dir, manifest)
     name = versioned_name(logical_id, artifact.digest)
     try:
-        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base)
+        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base, base_print)
     except Exception:
         if artifact.created and not await _may_be_recorded(table, logical_id, base, artifact.digest):
             store.remove(artifact)

@@ -5,7 +5,8 @@ process (one task per replica and name) and across every kvgate (a Redis lock pe
 Loads always use the versioned name and the content-addressed root, never ``load_inplace``. Before a
 load, the replica's adapter budget is enforced in the scheduler's ``evictions`` order (never in use,
 retired first, then least recently used). ``sweep`` unloads versions that are no longer current once
-they have been retired for the drain grace period and no request here uses them.
+they have been retired for the drain grace period and no request here uses them, and, at once, versions
+a replica serves on another base than they were published for (its base fingerprint changed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import VersionState
 from gateway.core.scheduler import evictions
 from gateway.fleet.backends import LoadFailed
+from gateway.fleet.base_prints import mismatch
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -252,8 +254,12 @@ class AdapterLoader:
         await self._repair()
         current = self.snapshot.current_names()
         now = time.monotonic()
+        by_name = {state.name: state for state in self.snapshot}
         for replica in self.pool.healthy():
             for name in self._managed(replica):
+                if name in by_name and mismatch(self.pool, replica, by_name[name]) is not None:
+                    await self._unload(replica, name, reason="base-mismatch", force=True)
+                    continue
                 if name in current:
                     continue
                 drained = now - self.snapshot.retired.setdefault(name, now)

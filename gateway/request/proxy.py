@@ -205,20 +205,27 @@ class Proxy:
     # --- stage 2: resolve ------------------------------------------------------------------------
 
     def resolve(self, parsed: ParsedRequest, caller: Caller | None) -> Target:
-        """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID."""
-        if parsed.model == self.options.base_model:
+        """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID. A
+        base model is any base a healthy replica serves (by its listing), or the configured one."""
+        served_bases = self.pool.base_identities()
+        if parsed.model == self.options.base_model or parsed.model in served_bases:
             if not may_use_base(caller):
                 raise not_found(parsed.model)
-            base = self.options.base_identity
+            if parsed.model == self.options.base_model:
+                base = self.options.base_identity
+            else:
+                base = served_bases[parsed.model]
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
             return Target(parsed.model, base, None, salt, [])
         version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
         if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
             raise not_found(parsed.model)  # or one the caller may not use, is never served
+        expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
-            return Target(parsed.model, version.base, version, cold_salt(), [])
+            return Target(parsed.model, version.base, version, cold_salt(), [], expected)
         salt = cache_salt(self.snapshot.generation, version)
-        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.decoded.prompt))
+        keys = block_keys(salt, parsed.decoded.prompt)
+        return Target(parsed.model, version.base, version, salt, keys, expected)
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
