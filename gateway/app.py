@@ -28,7 +28,7 @@ from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
-from gateway.fleet.base_prints import BasePrints, mismatched
+from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
@@ -192,11 +192,15 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             pool_wait=settings.pool_wait_timeout,
         )
         app[BASE_PRINTS] = _base_prints(app)
+        pool, snapshot = app[POOL], app[SNAPSHOT]
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
-            report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()]},
+            report=lambda: {
+                "quarantined": [asdict(finding) for finding in quarantine.findings()],
+                "base_mismatches": mismatch_report(pool, snapshot),
+            },
         )
         app[LOADER] = AdapterLoader(
             app[POOL],

@@ -174,7 +174,8 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
     for state in view.states.values():
         replicas = sorted(url for url, names in loaded.items() if names.get(state.name) == state.path)
         rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
-                     "epoch": state.epoch, "base": state.base, "path": state.path,
+                     "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),
+                     "path": state.path,
                      "loaded_on": replicas})  # fmt: skip
     if args.json:
         print(
@@ -192,6 +193,9 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         for finding in doc.get("quarantined", []):
             print(f"    QUARANTINED {finding['name']} on {finding['replica']}: {finding['reason']} "
                   f"(root {finding['root']})")  # fmt: skip
+        for mismatch in doc.get("base_mismatches", []):
+            print(f"    OTHER BASE on {mismatch['replica']} ({mismatch['replica_print']}): not serving "
+                  f"{mismatch['logical_id']}: {mismatch['reason']}")  # fmt: skip
 
 
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

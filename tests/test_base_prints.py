@@ -29,6 +29,7 @@ from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
 from gateway.serving import free_port, running
 from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
@@ -120,14 +121,18 @@ class RestartableStub:
 
 
 async def test_a_swapped_base_is_another_base_until_it_is_swapped_back(
-    redis: Redis, table: EpochTable, store: AdapterStore, make_adapter: MakeAdapter
+    redis: Redis,
+    redis_server: EmbeddedRedis,
+    table: EpochTable,
+    store: AdapterStore,
+    make_adapter: MakeAdapter,
 ) -> None:
     a, b = StubState(), StubState()
     replica_a = RestartableStub(a)
     await replica_a.start()
     try:
         async with running(build_stub(b)) as url_b:
-            await swap_and_back(redis, table, store, make_adapter, replica_a, url_b, b)
+            await swap_and_back(redis, table, store, make_adapter, replica_a, url_b, b, redis_server.url)
     finally:
         await replica_a.stop()
 
@@ -140,6 +145,7 @@ async def swap_and_back(
     replica_a: RestartableStub,
     url_b: str,
     b: StubState,
+    redis_url: str,
 ) -> None:
     a, url_a = replica_a.state, replica_a.url
     printed = await publish_for(table, store, make_adapter(b"v1"), [url_a, url_b])
@@ -179,6 +185,12 @@ async def swap_and_back(
         assert seen[url_b]["base_mismatch"] == {}
         assert await metric(url, f'kvgate_base_mismatched_versions{{replica="{url_a}"}}') == 1.0
         assert await metric(url, f'kvgate_base_print_changes_total{{replica="{url_a}"}}') == 1.0
+
+        def cli_status_says_why() -> bool:
+            done = kvgate("status", "--redis-url", redis_url, data_dir=store.root.parent / "cli")
+            return f"OTHER BASE on {url_a}" in done.stdout and "greedy tokens differ" in done.stdout
+
+        await eventually(lambda: asyncio.to_thread(cli_status_says_why), "kvgate status says why", 15)
         before = len(a.received)
         for _ in range(6):
             await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)

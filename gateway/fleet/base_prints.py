@@ -56,6 +56,17 @@ def mismatched(pool: ReplicaPool, replica: Replica, versions: Iterable[VersionSt
     return {logical_id: why for logical_id, why in found.items() if why is not None}
 
 
+def mismatch_report(pool: ReplicaPool, versions: Iterable[VersionState]) -> list[dict[str, str]]:
+    """Every (replica, logical ID) kept apart because the replica is another base: for ``kvgate status``."""
+    versions = list(versions)
+    return [
+        {"replica": replica.url, "logical_id": logical_id, "reason": reason,
+         "replica_print": base_print.short(replica.base_print) or ""}
+        for replica in pool.replicas
+        for logical_id, reason in mismatched(pool, replica, versions).items()
+    ]  # fmt: skip
+
+
 def base_status(pool: ReplicaPool, replica: Replica, versions: Iterable[VersionState]) -> dict[str, Any]:
     """What ``/kvgate/status`` says of a replica's base: identity, fingerprints, and what it may not serve."""
     prints = replica.prints
@@ -189,9 +200,10 @@ class BasePrints:
         if found is None:
             return
         started = float(found[1])
-        known = replica.prints.start_time
-        replica.prints.start_time = started
-        if known is not None and abs(started - known) > 1e-3:
+        prints = replica.prints
+        known, prints.start_time = prints.start_time, started
+        noticed = prints.incarnation != replica.incarnation  # a restart already noticed, not printed yet
+        if known is not None and abs(started - known) > 1e-3 and not noticed:
             replica.restarted("its process start time changed")
 
     async def _check_bytes(self, replica: Replica) -> None:
