@@ -123,8 +123,6 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
     store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
     manifest = store.scan(args.adapter_dir)
     base = await choose_base(settings, args.base)
-    if base.note:
-        print(f"note: {base.note}", file=sys.stderr)
     async with open_table(settings, tracing) as table:
         done = await publish_adapter(
             table, store, args.logical_id, args.adapter_dir, base.identity, manifest=manifest,
@@ -135,6 +133,8 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
            "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
            "base": base.identity, "base_print": short(base.print)}  # fmt: skip
     _emit(args, doc, f"{verb}: {done.logical_id} -> {done.name} epoch {done.change.epoch} ({done.path})")
+    if base.note:
+        print(f"note: {base.note}", file=sys.stderr)
     if not dialect_for(settings.backend).runtime_loading:
         print(
             f"note: {settings.backend} replicas cannot load adapters at runtime; kvgate routes "

@@ -20,7 +20,7 @@ from gateway.core import base_print
 from gateway.core.errors import BadRequest
 from gateway.core.identity import base_identity
 from gateway.fleet.backends import AdapterListing, BackendDialect, dialect_for
-from gateway.fleet.base_prints import Unprintable, probe
+from gateway.fleet.base_prints import probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +47,12 @@ async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
     if not seen:
         if requested not in (None, settings.base_model):
             raise BadRequest(f"no replica answered, so base {requested!r} cannot be checked", param="base")
+        why = "no replica answered" if settings.replicas else "no replica given (--replica)"
         return ChosenBase(
             settings.base_identity,
             "",
-            f"no replica answered: published for base {settings.base_model!r} without a fingerprint (kvgate "
-            "holds it to the first fingerprint it takes of that base)",
+            f"{why}: published for base {settings.base_model!r} without a fingerprint (kvgate holds it to "
+            "the first fingerprint it takes of that base)",
         )
     served = sorted({str(s.listing.base_name) for s in seen})
     if requested is None:
@@ -98,8 +99,8 @@ async def _look(
         return None
     try:
         taken = await probe(session, dialect, url, listing.base_name, settings.base_print_tolerance)
-    except Unprintable as exc:
-        return _Seen(url, listing, "", str(exc))
     except (aiohttp.ClientError, TimeoutError) as exc:
         return _Seen(url, listing, "", f"the probe failed: {exc!r}")
+    if isinstance(taken, str):
+        return _Seen(url, listing, "", taken)
     return _Seen(url, listing, taken.encode())

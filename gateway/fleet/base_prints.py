@@ -85,14 +85,12 @@ def base_status(pool: ReplicaPool, replica: Replica, versions: Iterable[VersionS
     }
 
 
-class Unprintable(Exception):
-    """The server answered, but not with greedy text and token logprobs: no print for this incarnation."""
-
-
 async def probe(
     session: aiohttp.ClientSession, dialect: BackendDialect, url: str, model: str, floor: float
-) -> base_print.BasePrint:
-    """The base print of the server at ``url``: the fixed probe, cold, ``PROBE_RUNS`` times."""
+) -> base_print.BasePrint | str:
+    """The base print of the server at ``url`` (the fixed probe, cold, ``PROBE_RUNS`` times), or why it
+    cannot have one: it answered, but not with greedy text and token logprobs. Connection errors and
+    timeouts raise (a later try may succeed)."""
     texts, runs = [], []
     for _ in range(base_print.PROBE_RUNS):
         body: dict[str, object] = {"model": model, "prompt": base_print.PROBE_PROMPT, "temperature": 0,
@@ -102,16 +100,16 @@ async def probe(
             if response.status >= 500:
                 response.raise_for_status()
             if response.status != 200:
-                raise Unprintable(f"the probe got {response.status}: {(await response.text())[:200]}")
+                return f"the probe got {response.status}: {(await response.text())[:200]}"
             doc = await response.json(content_type=None)
         try:
             choice = doc["choices"][0]
             texts.append(str(choice["text"]))
             runs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise Unprintable(f"the probe's answer has no text and token logprobs: {exc!r}") from exc
+            return f"the probe's answer has no text and token logprobs: {exc!r}"
     if len(set(texts)) != 1:
-        raise Unprintable("cold probe runs gave different greedy tokens (nondeterministic)")
+        return "cold probe runs gave different greedy tokens (nondeterministic)"
     return base_print.take(texts[0], runs, floor)
 
 
@@ -150,15 +148,15 @@ class BasePrints:
             taken = await probe(
                 self.pool.session, self.pool.dialect, replica.url, replica.listing.base_name, self.floor
             )
-        except Unprintable as exc:
-            self._no_print(replica, str(exc))
-            return
         except (aiohttp.ClientError, TimeoutError) as exc:
             prints.failures = prints.failures + 1 if prints.incarnation == replica.incarnation else 1
             prints.incarnation = replica.incarnation
             prints.behaviour = None
             if prints.failures >= MAX_FAILURES:
                 self._no_print(replica, f"the probe failed {prints.failures} times: {exc!r}")
+            return
+        if isinstance(taken, str):
+            self._no_print(replica, taken)
             return
         self._record(replica, taken.encode())
 

@@ -30,7 +30,7 @@ from gateway.vllm_process import VllmProcess, VllmReplicaSpec
 from tests.conftest import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]  # three vLLM starts
 
 PROMPT = "The harbor master counted the boats. " * 40  # over two KV blocks: warm hits show
 
