@@ -163,9 +163,12 @@ async def swap_and_back(
         await eventually(lambda: bool(a.adapters) and bool(b.adapters), "loaded on both", 10)
         probes = a.probes
 
-        async def restart_a(weights: int) -> None:  # down for longer than a poll, then back
+        async def restart_a(weights: int, *, keeps_adapters: bool = False) -> None:
+            """Down for longer than a poll, then back (a server with static adapters keeps them)."""
             await replica_a.stop()
-            a.weights, a.adapters = weights, {}
+            a.weights = weights
+            if not keeps_adapters:
+                a.adapters = {}
             await eventually(a_seen_down, "seen down", 10)
             await replica_a.start()
 
@@ -176,8 +179,11 @@ async def swap_and_back(
             seen = {r["url"]: r for r in (await status(url))["replicas"]}[url_a]
             return bool(seen["healthy"]) and "tenant-42" in seen["base_mismatch"]
 
-        await restart_a(1)  # other weights under the same name and root
+        await restart_a(1, keeps_adapters=True)  # other weights under the same name and root
         await eventually(a_is_another_base, "the swap reported", 10)
+        await eventually(lambda: not a.adapters, "the old base's version unloaded there", 10)
+        unloads = f'kvgate_adapter_unloads_total{{reason="base-mismatch",replica="{url_a}"}}'
+        assert await metric(url, unloads) == 1.0
         assert a.probes > probes, "the restart was fingerprinted again"
         seen = {r["url"]: r for r in (await status(url))["replicas"]}
         assert "greedy tokens differ" in seen[url_a]["base_print_changed"]
