@@ -196,7 +196,7 @@ async def swap_and_back(
             done = kvgate("status", "--redis-url", redis_url, data_dir=store.root.parent / "cli")
             return f"OTHER BASE on {url_a}" in done.stdout and "greedy tokens differ" in done.stdout
 
-        await eventually(lambda: asyncio.to_thread(cli_status_says_why), "kvgate status says why", 15)
+        await eventually(lambda: asyncio.to_thread(cli_status_says_why), "kvgate status says why", 30)
         before = len(a.received)
         for _ in range(6):
             await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)
