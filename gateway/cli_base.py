@@ -65,7 +65,12 @@ async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
     if requested not in served:
         raise BadRequest(f"no replica serves base {requested!r}; served: {', '.join(served)}", param="base")
     of_base = [s for s in seen if s.listing.base_name == requested]
-    root = of_base[0].listing.base_root if settings.base_model_root is not None else None
+    root = None
+    if settings.base_model_root is not None:  # the root is part of the base: only replicas of that root
+        root = settings.base_model_root if requested == settings.base_model else of_base[0].listing.base_root
+        of_base = [s for s in of_base if s.listing.base_root == root]
+        if not of_base:
+            raise BadRequest(f"no replica serves base {requested!r} from root {root!r}", param="base")
     return ChosenBase(base_identity(requested, root), *_agreed_print(requested, of_base))
 
 

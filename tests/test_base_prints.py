@@ -271,3 +271,30 @@ async def test_publish_base_is_refused_when_several_are_served(
             )
         assert disagree.returncode != 0
         assert "have different fingerprints" in disagree.stderr
+
+
+async def test_base_model_root_keeps_a_replica_of_another_root_apart(
+    redis: Redis, table: EpochTable, store: AdapterStore, make_adapter: MakeAdapter
+) -> None:
+    """With ``base_model_root``, the root a replica lists is part of its base: publish takes the print of
+    the replicas of that root only, and kvgate routes the version only there."""
+    a, b = StubState(base_root="/models/a"), StubState(base_root="/models/b", weights=5)
+    async with running(build_stub(a)) as url_a, running(build_stub(b)) as url_b:
+        settings = Settings(replicas=[url_a, url_b], store=store.root, admin_token=TOKEN,
+                            base_model_root="/models/b", poll_interval=0.1)  # fmt: skip
+        chosen = await choose_base(settings, None)
+        assert chosen.identity == "base=/models/b"
+        await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), chosen.identity,
+                              base_print=chosen.print)  # fmt: skip
+        async with (
+            running(build_app(settings, redis)) as url,
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+        ):
+            for _ in range(4):
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)
+            pin = {"x-kvgate-pin": url_a, "x-kvgate-admin-token": TOKEN}
+            with pytest.raises(openai.APIStatusError) as refused:
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1, extra_headers=pin)
+            assert refused.value.status_code == 503
+    assert a.received == []
+    assert len(b.received) == 4
