@@ -5,11 +5,12 @@ VLLM_VENV   := .venv-vllm
 PY          := $(VENV)/bin/python
 VLLM_PY     := $(VLLM_VENV)/bin/python
 FIXTURE_DIR := .cache/fixture
+OTHER_BASE  := .cache-base
 PIP_QUIET   := --quiet --disable-pip-version-check
 
 .PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing apt-redis apt-chromium chaos chaos-spread
 
-setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done apt-redis apt-chromium
+setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done $(OTHER_BASE)/.done apt-redis apt-chromium
 
 # Debian's redis-server and redis-sentinel: the failover tests start their own masters, replicas, sentinels
 # and cluster nodes on free ports (never the system service's 6379/26379). Installed only when missing: the
@@ -43,6 +44,11 @@ $(FIXTURE_DIR)/.done: scripts/build_fixture.py $(VLLM_VENV)/.done
 	$(VLLM_PY) scripts/build_fixture.py --out $(FIXTURE_DIR)
 	touch $@
 
+# The same tiny Llama with weights from another seed: the base-swap test restarts a replica onto it.
+$(OTHER_BASE)/.done: scripts/build_other_base.py scripts/build_fixture.py $(VLLM_VENV)/.done
+	$(VLLM_PY) scripts/build_other_base.py --out $(OTHER_BASE)
+	touch $@
+
 lint: $(VENV)/.done
 	$(VENV)/bin/ruff check gateway tests scripts loadtest
 	$(VENV)/bin/ruff format --check gateway tests scripts loadtest
@@ -52,7 +58,7 @@ typecheck: $(VENV)/.done
 
 test: setup lint typecheck
 	KVGATE_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVGATE_FIXTURE_DIR=$(abspath $(FIXTURE_DIR)) \
-		$(VENV)/bin/pytest
+		KVGATE_OTHER_BASE_DIR=$(abspath $(OTHER_BASE)) $(VENV)/bin/pytest
 
 demo: setup
 	$(VENV)/bin/kvgate demo --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
@@ -87,7 +93,7 @@ chaos-spread: setup
 		--out docs/chaos.md
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .kvgate-demo
+	rm -rf $(VENV) $(VLLM_VENV) .cache $(OTHER_BASE) .kvgate-demo
 
 # Holding the edge against `kvgate serve` with two stub replicas: 1,000 concurrent ~8 s streams (errors,
 # RSS), a client aborting streams beside a normal one, slowloris with 3,000 connections: docs/edge.md.

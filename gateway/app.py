@@ -11,6 +11,7 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,9 @@ from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for
+from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
+from gateway.fleet.base_bytes import BaseBytes
+from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
@@ -73,6 +77,7 @@ RESEEDER = web.AppKey("reseeder", Reseeder)
 CALLERS = web.AppKey("callers", Callers)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
+BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 
 
 def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
@@ -133,7 +138,8 @@ def build_app(
         return handler
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
-        return list_models(app[SNAPSHOT], app[SETTINGS].base_model, app[AUTH].caller(request))
+        bases = {app[SETTINGS].base_model, *app[POOL].base_identities()}
+        return list_models(app[SNAPSHOT], sorted(bases), app[AUTH].caller(request))
 
     async def status_handler(request: web.Request) -> web.StreamResponse:
         return await app[ADMIN].status(request)
@@ -195,11 +201,16 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_connections=settings.max_connections_per_replica,
             pool_wait=settings.pool_wait_timeout,
         )
+        app[BASE_PRINTS] = _base_prints(app)
+        pool, snapshot = app[POOL], app[SNAPSHOT]
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
-            report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()]},
+            report=lambda: {
+                "quarantined": [asdict(finding) for finding in quarantine.findings()],
+                "base_mismatches": mismatch_report(pool, snapshot),
+            },
         )
         app[LOADER] = AdapterLoader(
             app[POOL],
@@ -224,7 +235,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             extra_fields=lambda: operator_fields(app[METRICS], app[VERDICTS]),
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
-        _warn_about_tenants(settings, dialect.cache_namespaces)
+        for warning in settings.tenant_warnings(dialect.cache_namespaces):
+            log.warning("%s", warning)
         options = ProxyOptions(
             base_model=settings.base_model,
             base_identity=settings.base_identity,
@@ -274,25 +286,29 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _warn_about_tenants(settings: Settings, cache_namespaces: bool) -> None:
-    if settings.auth == "off":
-        return
-    if not cache_namespaces:
-        log.warning(
-            "%s replicas have no cache namespace: base-model callers of every tenant share one prefix cache "
-            "(the timing side channel between tenants stays open)",
-            settings.backend,
+def _base_prints(app: web.Application) -> BasePrints:
+    """Every replica's base fingerprints, with their metrics: changes, and versions each may not serve."""
+    settings, pool, metrics, snapshot = app[SETTINGS], app[POOL], app[METRICS], app[SNAPSHOT]
+    for replica in pool.replicas:
+        metrics.base_mismatched.labels(replica.url).set_function(
+            functools.partial(lambda r: len(mismatched(pool, r, snapshot)), replica)
         )
-    if settings.admin_port is None:
-        log.warning(
-            "API keys on, but /metrics (which names logical IDs) is on the public listener: "
-            "set admin_port to serve it on a listener of its own"
-        )
+    prints = BasePrints(
+        pool,
+        floor=settings.base_print_tolerance,
+        model_dirs=settings.base_model_dir_map,
+        bytes_=BaseBytes(settings.data_dir / BASE_DIGESTS_FILE),
+        on_change=lambda replica: metrics.base_print_changes.labels(replica.url).inc(),
+    )
+    pool.after_restart = prints.check
+    return prints
 
 
 async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
-    await app[POOL].refresh_all()
-    async with _background(app[POOL].poll_forever(app[SETTINGS].poll_interval, app[TABLE])):
+    pool, prints = app[POOL], app[BASE_PRINTS]
+    await pool.refresh_all()
+    await prints.check_all()
+    async with _background(pool.poll_forever(app[SETTINGS].poll_interval, app[TABLE], prints.check_all)):
         yield
 
 

@@ -27,9 +27,11 @@ from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import ADMIN_LISTENER, DRAIN, build_app
 from gateway.cli_audit import cmd_audit
+from gateway.cli_base import choose_base
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
 from gateway.config import Settings, describe_invalid, load_settings
+from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("logical_id")
     publish.add_argument("adapter_dir", type=Path)
     publish.add_argument("--progress", action="store_true", help="a progress bar even when not on a terminal")
+    publish.add_argument(
+        "--base", help="the served base model it is for (default: the only one the replicas serve)"
+    )
 
     rollback = commands.add_parser("rollback", help="point a logical ID back at an earlier version")
     _common(rollback, "rollback")
@@ -116,17 +121,20 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
     store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
     manifest = store.scan(args.adapter_dir)
+    base = await choose_base(settings, args.base)
     with publish_progress(args.progress, manifest) as progress:
         async with open_table(settings, tracing) as table:
             done = await publish_adapter(
-                table, store, args.logical_id, args.adapter_dir, settings.base_identity, manifest=manifest,
-                progress=progress,
+                table, store, args.logical_id, args.adapter_dir, base.identity, manifest=manifest,
+                progress=progress, base_print=base.print,
             )  # fmt: skip
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
            "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
-           "base": settings.base_identity}  # fmt: skip
+           "base": base.identity, "base_print": short(base.print)}  # fmt: skip
     _emit(args, doc, f"{verb}: {done.logical_id} -> {done.name} epoch {done.change.epoch} ({done.path})")
+    if base.note:
+        print(f"note: {base.note}", file=sys.stderr)
     if not dialect_for(settings.backend).runtime_loading:
         print(
             f"note: {settings.backend} replicas cannot load adapters at runtime; kvgate routes "
@@ -138,11 +146,13 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
 async def cmd_rollback(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     logical_id = check_logical_id(args.logical_id)
     async with open_table(settings, tracing) as table:
-        change = await table.rollback(logical_id, args.digest, settings.base_identity)
+        current = await table.read_state(logical_id)  # a rollback stays within the current base
+        base = current.base if current is not None else settings.base_identity
+        change = await table.rollback(logical_id, args.digest, base)
     name = versioned_name(logical_id, change.digest)
     verb = "rolled back" if change.changed else "unchanged (already current)"
     doc = {"logical_id": logical_id, "digest": change.digest, "name": name, "epoch": change.epoch,
-           "changed": change.changed, "base": settings.base_identity}  # fmt: skip
+           "changed": change.changed, "base": base}  # fmt: skip
     _emit(args, doc, f"{verb}: {logical_id} -> {name} epoch {change.epoch}")
 
 

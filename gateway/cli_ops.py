@@ -26,6 +26,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from gateway.adapters import gc
 from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
+from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
 from gateway.core.identity import ManifestEntry, check_logical_id
 from gateway.core.wire import replica_id
@@ -123,7 +124,8 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
             current = loaded[url].get(state.name) == state.path
             cells[url] = {"loaded": held, "current": current, "mismatch": any(n != state.name for n in held)}
         rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
-                     "epoch": state.epoch, "base": state.base, "path": state.path,
+                     "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),
+                     "path": state.path,
                      "loaded_on": [url for url in replicas if cells[url]["current"]],
                      "replicas": cells})  # fmt: skip
     if args.json:
@@ -150,6 +152,9 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         for finding in doc.get("quarantined", []):
             print(f"    QUARANTINED {finding['name']} on {finding['replica']}: {finding['reason']} "
                   f"(root {finding['root']})")  # fmt: skip
+        for mismatch in doc.get("base_mismatches", []):
+            print(f"    OTHER BASE on {mismatch['replica']} ({mismatch['replica_print']}): not serving "
+                  f"{mismatch['logical_id']}: {mismatch['reason']}")  # fmt: skip
 
 
 def _cell(cell: dict[str, Any]) -> str:

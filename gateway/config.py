@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     """The served model name of the pool's base model: what clients send for base requests."""
     base_model_root: str | None = None
     """If set, a replica's base must also report this ``root`` in /v1/models to be eligible."""
+    base_model_dirs: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``NAME=PATH``: where kvgate reads base model NAME's files to fingerprint its bytes (flag: repeat
+    it; environment: comma-separated); without one, the root a replica lists is read when it is a
+    directory here."""
+    base_print_tolerance: float = Field(0.01, ge=0)
+    """Least logprob tolerance when comparing base fingerprints (greedy tokens must match exactly)."""
 
     reconcile_interval: float = Field(1.0, gt=0)
     """Seconds between full re-reads of the epoch table (change hints arrive sooner)."""
@@ -140,6 +146,22 @@ class Settings(BaseSettings):
             return [str(url).strip().rstrip("/") for url in value]
         return value
 
+    @field_validator("base_model_dirs", mode="before")
+    @classmethod
+    def _split_base_dirs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        for entry in value if isinstance(value, list) else []:
+            name, _, path = str(entry).partition("=")
+            if not name or not path:
+                raise ValueError(f"base_model_dirs entries are NAME=PATH, not {entry!r}")
+        return value
+
+    @property
+    def base_model_dir_map(self) -> dict[str, Path]:
+        """Base name -> the directory its files are read from (``base_model_dirs``)."""
+        return {name: Path(path) for name, _, path in (e.partition("=") for e in self.base_model_dirs)}
+
     @model_validator(mode="after")
     def _drain_within_bound(self) -> Self:
         """`max_drain` is at least `drain_grace`."""
@@ -180,6 +202,23 @@ class Settings(BaseSettings):
     def ack_within(self) -> float:
         """How long a change waits for a replica's ``WAIT``: within the client's wait for any answer."""
         return min(self.redis_ack_timeout, self.redis_timeout / 2)
+
+    def tenant_warnings(self, cache_namespaces: bool) -> list[str]:
+        """What an operator running API keys (tenants) should know about this setup."""
+        if self.auth == "off":
+            return []
+        warnings = []
+        if not cache_namespaces:
+            warnings.append(
+                f"{self.backend} replicas have no cache namespace: base-model callers of every tenant share "
+                "one prefix cache (the timing side channel between tenants stays open)"
+            )
+        if self.admin_port is None:
+            warnings.append(
+                "API keys on, but /metrics (which names logical IDs) is on the public listener: "
+                "set admin_port to serve it on a listener of its own"
+            )
+        return warnings
 
     @property
     def base_identity(self) -> str:

@@ -41,7 +41,9 @@ _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
     "audit": _ACKED
     | {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"},
-    "publish": _ACKED | {"max_adapter_bytes"},
+    # publish asks the replicas which base they serve and fingerprints it (cli_base.py)
+    "publish": _ACKED
+    | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
     "rollback": _ACKED,
     "bump": _ACKED,
     "gc": frozenset({"replicas", "connect_timeout", "read_timeout"}),  # it asks the replicas what they list

@@ -59,7 +59,7 @@ end
 local version = cjson.decode(record)
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'digest', target, 'name', version.name, 'path', version.path,
-  'base', base, 'updated_ms', now)
+  'base', base, 'base_print', version.base_print or '', 'updated_ms', now)
 append_history(KEYS[3], ARGV[6], epoch, target, base, 'rollback', now)
 redis.call('PUBLISH', ARGV[5], id)
 return {CODE.CHANGED, epoch, target}

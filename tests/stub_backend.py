@@ -9,18 +9,24 @@ seen twice is a duplicate upstream request), for load tests that run the stub as
 A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
 requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
 eviction took an adapter from under a request.
+kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered with
+greedy text and token logprobs that follow ``weights`` (change it: another base under the same name)
+and counted in ``probes``, apart from the requests tests look at.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
+
+from gateway.core.base_print import PROBE_PROMPT
 
 _STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
@@ -29,6 +35,7 @@ _STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bo
 class StubState:
     base: str = "base"
     base_root: str = "/models/tiny"
+    started: float = field(default_factory=time.time)  # process_start_time_seconds in its /metrics
     adapters: dict[str, str] = field(default_factory=dict)
     received: list[dict[str, Any]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)
@@ -53,6 +60,8 @@ class StubState:
     echo_errors: bool = False  # completions answer 400 naming the model they were sent
     in_flight: Counter[str] = field(default_factory=Counter)  # completions running, per model name
     unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
+    weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
+    probes: int = 0  # base-fingerprint probes answered
 
 
 STUB = web.AppKey("stub", StubState)
@@ -99,6 +108,9 @@ async def _unload(request: web.Request) -> web.Response:
 async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[STUB]
     body = await request.json()
+    if body.get("prompt") == PROBE_PROMPT and body.get("model") == state.base:
+        state.probes += 1
+        return web.json_response(_probe_answer(state.weights))
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
     state.completions += 1
@@ -159,6 +171,13 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _probe_answer(weights: int) -> dict[str, Any]:
+    logprobs = {"token_logprobs": [-0.5 - 0.01 * weights - 0.001 * i for i in range(8)]}
+    choice = {"index": 0, "text": f" w{weights}", "logprobs": logprobs, "finish_reason": "length"}
+    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}}  # fmt: skip
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
@@ -271,8 +290,12 @@ async def _audio(request: web.Request) -> web.StreamResponse:
 
 
 async def _replica_only(request: web.Request) -> web.Response:
-    """A route a replica serves that kvgate must never expose (health, metrics, admin)."""
-    request.app[STUB].routed.append((request.path, {}))
+    """A route a replica serves that kvgate must never expose (health, metrics, admin). ``/metrics`` is
+    not recorded in ``routed``: kvgate reads it itself (the process start time, as vLLM's says it)."""
+    state = request.app[STUB]
+    if request.path == "/metrics":
+        return web.Response(text=f"# replica internals\nprocess_start_time_seconds {state.started}\n")
+    state.routed.append((request.path, {}))
     return web.Response(text="replica internals")
 
 

@@ -68,6 +68,8 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "invalidation": ("purge-all", "purge-all"),
     "base_model": ("llama", "llama"),
     "base_model_root": ("/models/llama", "/models/llama"),
+    "base_model_dirs": ("llama=/models/llama", ["llama=/models/llama"]),
+    "base_print_tolerance": ("0.05", 0.05),
     "reconcile_interval": ("2.5", 2.5),
     "poll_interval": ("0.5", 0.5),
     "drain_grace": ("5", 5.0),

@@ -140,7 +140,7 @@ async def test_replica_internals_are_never_exposed(gateway: Gateway) -> None:
         if (method, path) != ("GET", "/metrics"):  # kvgate's own metrics are on its admin surface
             assert status in (404, 405), (method, path)
             assert error_of(payload)["type"] in ("not_found_error", "invalid_request_error")
-    assert state.routed == [("/metrics", {})], "only the direct call reached the replica"
+    assert state.routed == [], "nothing reached the replica"
     assert state.loads == []
     assert state.resets == 0
 

@@ -37,9 +37,11 @@ async def publish_adapter(
     *,
     manifest: list[ManifestEntry] | None = None,
     progress: Progress | None = None,
+    base_print: str = "",
 ) -> Published:
     """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
-    called with each chunk's bytes as the store copies them."""
+    called with each chunk's bytes as the store copies them; BASE_PRINT: the fingerprint of BASE
+    (``core.base_print``), '' when none could be taken."""
     check_logical_id(logical_id)
     if manifest is None:
         manifest = store.scan(adapter_dir)
@@ -47,7 +49,7 @@ async def publish_adapter(
     artifact = store.ingest(adapter_dir, manifest, progress)
     name = versioned_name(logical_id, artifact.digest)
     try:
-        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base)
+        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base, base_print)
     except Exception:
         if artifact.created and not await _may_be_recorded(table, logical_id, base, artifact.digest):
             store.remove(artifact)

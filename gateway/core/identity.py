@@ -63,6 +63,11 @@ def base_identity(name: str, root: str | None) -> str:
     return name if root is None else f"{name}={root}"
 
 
+def base_name(identity: str) -> str:
+    """The served name in a base identity (``name`` or ``name=root``)."""
+    return identity.partition("=")[0]
+
+
 def versioned_name(logical_id: str, digest: str) -> str:
     """The name a replica loads a version under: ``tenant-42@<first 16 hex of the digest>``."""
     return f"{logical_id}@{digest[:SHORT_DIGEST_LEN]}"

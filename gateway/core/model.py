@@ -19,6 +19,7 @@ class VersionState:
     path: str  # content-addressed store path: the only root a replica may load it from
     base: str  # base model identity the version was published for
     epoch: int
+    base_print: str = ""  # fingerprint of that base (core/base_print.py); '' when published without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +44,4 @@ class Target:
     version: VersionState | None
     salt: str | None  # the cache namespace the gateway sets (None: the server's default)
     keys: list[bytes]  # prefix block keys, seeded by the cache namespace
+    base_print: str = ""  # the base fingerprint a replica must match ('' : any replica of the base)

@@ -5,7 +5,9 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 
 - filters: ``healthy`` → ``serves_base`` → ``pinned`` (admin audits) → ``holds_version``. A replica is
   eligible for a version only when it lists the versioned name with that version's content-addressed
-  root and serves the base the version was published for: warm requests never meet another version.
+  root and serves the base the version was published for, by name and by fingerprint
+  (``core.base_print``: a base swapped under the same name is another base): warm requests never meet
+  another version.
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
   requests (unless that would drop them all).
 - scorers in [0, 1]: ``prefix_score`` (the share of the prompt's leading blocks a replica is known to
@@ -30,6 +32,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 from blake3 import blake3
 
+from gateway.core.base_print import prints_match
 from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import Target
 from gateway.core.prefix import PrefixIndex
@@ -51,6 +54,11 @@ class ReplicaView(Protocol):
     @property
     def base(self) -> str | None:
         """The base model identity this replica serves (None until it answered a listing)."""
+        ...
+
+    @property
+    def base_print(self) -> str | None:
+        """Its base's fingerprint, encoded (None until taken since it last (re)started)."""
         ...
 
     def serves(self, name: str, root: str) -> bool: ...
@@ -75,8 +83,9 @@ def healthy(replicas: Sequence[R]) -> list[R]:
     return [r for r in replicas if r.healthy]
 
 
-def serves_base(replicas: Sequence[R], base: str) -> list[R]:
-    return [r for r in replicas if r.base == base]
+def serves_base(replicas: Sequence[R], base: str, base_print: str = "") -> list[R]:
+    """Replicas of base identity ``base`` whose fingerprint matches ``base_print`` ('' : any)."""
+    return [r for r in replicas if r.base == base and prints_match(base_print, r.base_print)]
 
 
 def pinned(replicas: Sequence[R], pin: str | None) -> list[R]:
@@ -115,7 +124,7 @@ def spread_target(of_base: Sequence[R], holders: Sequence[R], budget: int) -> R 
 def eligible(replicas: Sequence[R], target: Target) -> list[R]:
     """Healthy replicas of the target's base that hold its version (every replica of the base for base
     requests): where a request may be served without a load."""
-    return holds_version(serves_base(healthy(replicas), target.base), target)
+    return holds_version(serves_base(healthy(replicas), target.base, target.base_print), target)
 
 
 # --- scorers (each in [0, 1]) ----------------------------------------------------------------------
@@ -159,7 +168,7 @@ def decide(
     ``budget`` is the adapters a replica keeps loaded. Raises ``NoEligibleReplica`` when no healthy
     replica (the pinned one, if pinned) serves the base.
     """
-    of_base = pinned(serves_base(healthy(replicas), target.base), pin)
+    of_base = pinned(serves_base(healthy(replicas), target.base, target.base_print), pin)
     if not of_base:
         raise NoEligibleReplica(_nothing_serves(target, pin), param="model")
     holders = holds_version(of_base, target)
@@ -183,10 +192,14 @@ def decide(
 
 def _nothing_serves(target: Target, pin: str | None) -> str:
     if pin is not None:
-        return f"replica {pin} is unhealthy or does not serve base {target.base!r}"
+        return f"replica {pin} is unhealthy or does not serve base {target.base!r}{_print_of(target)}"
     if target.version is None:
         return f"no healthy replica serves base model {target.base!r}"
-    return f"no healthy replica serves base {target.base!r} for {target.logical_id!r}"
+    return f"no healthy replica serves base {target.base!r}{_print_of(target)} for {target.logical_id!r}"
+
+
+def _print_of(target: Target) -> str:
+    return f" with fingerprint {target.base_print.partition(':')[0]}" if target.base_print else ""
 
 
 def evictions(

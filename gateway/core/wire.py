@@ -35,9 +35,12 @@ REPLICA_ID_PREFIX = "r-"
 
 
 def cache_salt(generation: str, version: VersionState) -> str:
-    """The gateway's cache namespace for one effective model and epoch: fixed prefix, hex only."""
-    key = f"{generation}\0{version.base}\0{version.digest}\0{version.epoch}".encode()
-    return SALT_PREFIX + blake3(key).hexdigest()[:32]
+    """The gateway's cache namespace for one effective model and epoch: fixed prefix, hex only. The base
+    fingerprint is part of the effective model (a version without one keeps its namespace of before)."""
+    key = f"{generation}\0{version.base}\0{version.digest}\0{version.epoch}"
+    if version.base_print:
+        key += f"\0{version.base_print}"
+    return SALT_PREFIX + blake3(key.encode()).hexdigest()[:32]
 
 
 def tenant_salt(base: str, tenant: str) -> str:

@@ -5,7 +5,8 @@ process (one task per replica and name) and across every kvgate (a Redis lock pe
 Loads always use the versioned name and the content-addressed root, never ``load_inplace``. Before a
 load, the replica's adapter budget makes room (``fleet.budget``: never evicting what a request
 reserved, waiting for a slot when all are). ``sweep`` unloads versions that are no longer current once
-they have been retired for the drain grace period and nothing reserves them.
+they have been retired for the drain grace period and nothing reserves them, and, at once, versions a
+replica serves on another base than they were published for (its base fingerprint changed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from opentelemetry.trace import StatusCode, Tracer
 from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import VersionState
 from gateway.fleet.backends import LoadFailed
+from gateway.fleet.base_prints import mismatch
 from gateway.fleet.budget import SLOT_POLL, AdapterBudget
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
@@ -249,8 +251,12 @@ class AdapterLoader:
         await self._repair()
         current = self.snapshot.current_names()
         now = time.monotonic()
+        by_name = {state.name: state for state in self.snapshot}
         for replica in self.pool.healthy():
             for name in self._managed(replica):
+                if name in by_name and mismatch(self.pool, replica, by_name[name]) is not None:
+                    await self._unload(replica, name, reason="base-mismatch", force=True)
+                    continue
                 if name in current:
                     continue
                 drained = now - self.snapshot.retired.setdefault(name, now)

@@ -17,17 +17,34 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 
 from gateway.core.errors import ReplicaBusy
 from gateway.core.identity import base_identity
+from gateway.core.model import VersionState
 from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReplicaPrints:
+    """What kvgate knows of a replica's base: fingerprints and, when it changed, why it is another base."""
+
+    behaviour: str | None = None  # encoded ``core.base_print`` of ``incarnation``
+    incarnation: int = -1
+    bytes_digest: str | None = None  # blake3 of the base's files, when kvgate can read them
+    bytes_root: str | None = None  # the directory those bytes were read from
+    start_time: float | None = None  # the server process's start time, when its /metrics says
+    previous: str | None = None  # the print before the last change (None: it never changed)
+    changed_reason: str = ""  # why the last change made it another base
+    failures: int = 0  # probes that failed in this incarnation
+    unprintable: str = ""  # why this incarnation cannot be fingerprinted ('' : it can, or not tried)
 
 
 class Replica:
@@ -50,6 +67,23 @@ class Replica:
         """Versioned names this kvgate is unloading here: never served, never reserved meanwhile."""
         self.quarantined: dict[str, str] = {}
         """Versioned name -> the root it is quarantined for here (written by ``fleet.quarantine`` only)."""
+        self.incarnation = 0
+        """Bumped each time it is seen to (re)start: a base print belongs to one incarnation."""
+        self.restart_reason = ""
+        self.prints = ReplicaPrints()
+        """Its base fingerprints (written by ``fleet.base_prints`` only)."""
+
+    @property
+    def base_print(self) -> str | None:
+        """Its base's behaviour fingerprint, encoded; None until taken since it last (re)started."""
+        return self.prints.behaviour if self.prints.incarnation == self.incarnation else None
+
+    def restarted(self, reason: str) -> None:
+        """It (re)started: whatever it served before is unproven until its base is fingerprinted again."""
+        self.incarnation += 1
+        self.restart_reason = reason
+        if self.prints.behaviour is not None:
+            log.warning("replica %s restarted (%s): fingerprinting its base again", self.url, reason)
 
     @property
     def base(self) -> str | None:
@@ -125,6 +159,24 @@ class ReplicaPool:
         self.session = session
         self.base_with_root = base_with_root
         self.record_ttl_ms = 10_000  # how long a recorded listing outlives the last kvgate polling it
+        self.base_references: dict[str, str] = {}
+        """Base identity -> the first print this kvgate took of it (written by ``fleet.base_prints``)."""
+        self.after_restart: Callable[[Replica], Awaitable[None]] | None = None
+        """Run when a refresh notices a restart (``fleet.base_prints`` fingerprints the base again), so a
+        request that found its version forgotten can be served without waiting for the next poll."""
+
+    def expected_print(self, version: VersionState) -> str:
+        """The base print a replica must have to serve ``version``: the one it was published with, else
+        (a version published without one) the first print this kvgate took of its base ('' : none yet)."""
+        return version.base_print or self.base_references.get(version.base, "")
+
+    def base_identities(self) -> dict[str, str]:
+        """Served base name -> its base identity, over the healthy replicas (the first one listed wins)."""
+        found: dict[str, str] = {}
+        for replica in self.healthy():
+            if replica.listing.base_name is not None and replica.base is not None:
+                found.setdefault(replica.listing.base_name, replica.base)
+        return found
 
     def get(self, url: str) -> Replica | None:
         return next((replica for replica in self.replicas if replica.url == url), None)
@@ -134,12 +186,21 @@ class ReplicaPool:
 
     async def refresh(self, replica: Replica) -> None:
         try:
-            replica.listing = await self.dialect.list_adapters(self.session, replica.url)
-            replica.healthy = True
+            listing = await self.dialect.list_adapters(self.session, replica.url)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if replica.healthy:
                 log.warning("replica %s is unhealthy: %r", replica.url, exc)
             replica.healthy = False
+            return
+        incarnation = replica.incarnation
+        if not replica.healthy:
+            replica.restarted("reachable again after being down" if replica.incarnation else "first seen")
+        elif replica.listing.adapters and not listing.adapters:
+            replica.restarted("its listing lost every adapter")
+        replica.listing = listing
+        replica.healthy = True
+        if replica.incarnation != incarnation and self.after_restart is not None:
+            await self.after_restart(replica)
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(replica) for replica in self.replicas))
@@ -155,12 +216,17 @@ class ReplicaPool:
         if replica is not None:
             await self.refresh(replica)
 
-    async def poll_forever(self, interval: float, table: EpochTable) -> None:
-        """Refresh every replica, then record what each has loaded in the shared table (for status)."""
+    async def poll_forever(
+        self, interval: float, table: EpochTable, after_refresh: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Refresh every replica (then ``after_refresh``: fingerprint what restarted), then record what
+        each has loaded in the shared table (for status)."""
         self.record_ttl_ms = int(max(interval * 10, 10) * 1000)
 
         async def step() -> None:
             await self.refresh_all()
+            if after_refresh is not None:
+                await after_refresh()
             for replica in self.healthy():
                 await self.record(table, replica)
 

@@ -6,7 +6,9 @@ not bit-exact; the CPU build is). Verdicts per replica:
 
 - ``nondeterministic``: cold runs disagree with each other; nothing else can be judged.
 - ``replica-mismatch``: this replica serves another version than the reference (its digest or its cold
-  answer differs): mixed versions across replicas, a separate cause from cache identity.
+  answer differs): mixed versions across replicas, a separate cause from cache identity; or another
+  base under the version's base name (kvgate reports its base fingerprint differs from the one the
+  version was published for: the detail names both).
 - ``incoherent-on-warm-hit``: a warm request that hit the prefix cache disagrees with cold: the cache
   identity or invalidation fault kvgate exists to prevent.
 - ``coherent``.
@@ -23,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,88 +46,27 @@ from gateway.core.wire import (
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import PROBE_MAX_TOKENS, Sample, complete
 from gateway.proof.probe import CannotAudit, Probe, fit_probe
+from gateway.proof.verdicts import (
+    CANNOT_AUDIT,
+    COHERENT,
+    FAULTS,
+    INCOHERENT,
+    MISMATCH,
+    NONDETERMINISTIC,
+    TOLERANCE_MARGIN,
+    Observation,
+    Verdict,
+    cannot_audit,
+    faulty,
+    judge,
+)
 
-COHERENT = "coherent"
-INCOHERENT = "incoherent-on-warm-hit"
-MISMATCH = "replica-mismatch"
-NONDETERMINISTIC = "nondeterministic"
-CANNOT_AUDIT = "cannot-audit"
-FAULTS = (INCOHERENT, MISMATCH, NONDETERMINISTIC)
-TOLERANCE_MARGIN = 2.0  # tolerance = margin x the largest disagreement among cold runs
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """Everything one replica answered for one audit round."""
-
-    replica: str
-    served: str  # the name the replica served (versioned name through kvgate)
-    digest: str | None  # adapter artifact digest, when known
-    loaded_root: str | None  # what the replica's /v1/models lists for that name
-    block_key: str | None  # the gateway's first prefix block key
-    warm: tuple[Sample, ...]
-    cold: tuple[Sample, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    replica: str
-    verdict: str
-    detail: str
-    tolerance: float
-    cached_tokens: int
-    observation: Observation = field(repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["observation"] = asdict(self.observation)
-        return doc
-
-
-def judge(
-    observations: Sequence[Observation], expected_digest: str | None = None, fingerprint: Sample | None = None
-) -> list[Verdict]:
-    """Verdicts for one round. The reference is ``expected_digest``, else the most common digest;
-    ``fingerprint`` is the version's cold answer recorded earlier (the canary's, from its first load)."""
-    digests = [o.digest for o in observations if o.digest]
-    reference_digest = expected_digest or (Counter(digests).most_common(1)[0][0] if digests else None)
-    reference = next((o for o in observations if o.digest == reference_digest), observations[0])
-    return [_judge_one(o, reference, reference_digest, fingerprint) for o in observations]
-
-
-def _judge_one(
-    obs: Observation, reference: Observation, reference_digest: str | None, fingerprint: Sample | None
-) -> Verdict:
-    first_cold = obs.cold[0]
-    spread = max((first_cold.max_logprob_diff(other) for other in obs.cold[1:]), default=0.0)
-    tolerance = spread * TOLERANCE_MARGIN
-    hit = max((w.cached_tokens for w in obs.warm), default=0)
-
-    def verdict(name: str, detail: str) -> Verdict:
-        return Verdict(obs.replica, name, detail, tolerance, hit, obs)
-
-    if any(c.text != first_cold.text for c in obs.cold[1:]):
-        return verdict(NONDETERMINISTIC, "cold runs disagree with each other")
-    if reference_digest and obs.digest and obs.digest != reference_digest:
-        return verdict(MISMATCH, f"serves digest {obs.digest[:16]}, reference is {reference_digest[:16]}")
-    if fingerprint is not None and not first_cold.agrees_with(fingerprint, tolerance):
-        diff = first_cold.max_logprob_diff(fingerprint)
-        return verdict(
-            MISMATCH, f"cold answer differs from the version's fingerprint: max |dlogprob| {diff:.4f}"
-        )
-    if obs is not reference and not first_cold.agrees_with(reference.cold[0], tolerance):
-        return verdict(MISMATCH, f"cold answer differs from reference replica {reference.replica}")
-    for warm in obs.warm:
-        if warm.cached_tokens and not warm.agrees_with(first_cold, tolerance):
-            diff = warm.max_logprob_diff(first_cold)
-            return verdict(
-                INCOHERENT,
-                f"warm hit ({warm.cached_tokens} cached tokens) differs from cold: max |dlogprob| {diff:.4f}",
-            )
-    detail = (
-        f"warm == cold ({hit} cached tokens)" if hit else "warm == cold, but no warm request hit the cache"
-    )
-    return verdict(COHERENT, detail)
+__all__ = [  # the verdicts live in proof.verdicts; callers take them from here with the experiment
+    "CANNOT_AUDIT", "COHERENT", "FAULTS", "INCOHERENT", "MISMATCH", "NONDETERMINISTIC", "TOLERANCE_MARGIN",
+    "AuditTarget", "DirectTarget", "GatewayTarget", "Observation", "Verdict", "audit_before_after",
+    "audit_round", "cannot_audit", "faulty", "judge", "observed_digest", "render", "run_shell", "size_probe",
+    "to_json", "warm_and_cold",
+]  # fmt: skip
 
 
 async def warm_and_cold(
@@ -195,7 +135,9 @@ class GatewayTarget:
     admin_token: str
 
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
-        return [r["url"] for r in await self._replica_view(http) if r["healthy"]]
+        """Healthy replicas, those kvgate holds to be another base for the logical ID last."""
+        healthy = [r for r in await self._replica_view(http) if r["healthy"]]
+        return [r["url"] for r in sorted(healthy, key=lambda r: self.logical_id in _mismatches(r))]
 
     async def context(self, http: aiohttp.ClientSession, replica: str) -> int | None:
         view = {r["url"]: r for r in await self._replica_view(http)}
@@ -210,6 +152,15 @@ class GatewayTarget:
     async def observe(
         self, http: aiohttp.ClientSession, replica: str, prompt: str, colds: int
     ) -> Observation:
+        status = await self.status(http)
+        seen: dict[str, Any] = next((r for r in status["replicas"] if r["url"] == replica), {})
+        version = status["versions"].get(self.logical_id, {})
+        other_base = _mismatches(seen).get(self.logical_id)
+        if other_base is not None:  # kvgate will not serve it there: nothing to sample
+            return Observation(
+                replica, version.get("name", self.logical_id), version.get("digest"), None, None, (), (),
+                seen.get("base_print"), version.get("base_print"), str(other_base),
+            )  # fmt: skip
         pin = {PIN_HEADER: replica, ADMIN_TOKEN_HEADER: self.admin_token}
         warm = [await complete(http, self.gateway, self.logical_id, prompt, headers=pin) for _ in range(2)]
         cold_headers = {**pin, NAMESPACE_HEADER: "cold"}
@@ -223,7 +174,7 @@ class GatewayTarget:
         root = view.get(replica, {}).get("adapters", {}).get(served)
         return Observation(
             replica, served, evidence.get(DIGEST_HEADER), root, evidence.get(PREFIX_KEY_HEADER),
-            tuple(warm), tuple(cold),
+            tuple(warm), tuple(cold), seen.get("base_print"), version.get("base_print"),
         )  # fmt: skip
 
     async def _replica_view(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
@@ -261,6 +212,12 @@ class GatewayTarget:
         raise AuditError(f"{self.gateway} did not switch {self.logical_id} to {digest[:16]} in {within} s")
 
 
+def _mismatches(replica_view: Mapping[str, Any]) -> dict[str, Any]:
+    """Logical ID -> why kvgate holds this replica (a ``/kvgate/status`` entry) to be another base."""
+    found = replica_view.get("base_mismatch")
+    return found if isinstance(found, dict) else {}
+
+
 async def audit_round(
     http: aiohttp.ClientSession,
     target: AuditTarget,
@@ -289,11 +246,6 @@ async def size_probe(http: aiohttp.ClientSession, target: AuditTarget, replicas:
         return await target.count_tokens(http, replicas[0], prompt)
 
     return await fit_probe(count, min(contexts, default=None), max_tokens=PROBE_MAX_TOKENS)
-
-
-def cannot_audit(replica: str, reason: str) -> Verdict:
-    nothing = Observation(replica, "", None, None, None, (), ())
-    return Verdict(replica, CANNOT_AUDIT, reason, 0.0, 0, nothing)
 
 
 async def audit_before_after(
@@ -341,8 +293,3 @@ def render(title: str, verdicts: Sequence[Verdict]) -> str:
 
 def to_json(rounds: Mapping[str, Sequence[Verdict]]) -> str:
     return json.dumps({name: [v.to_json() for v in verdicts] for name, verdicts in rounds.items()}, indent=2)
-
-
-def faulty(verdicts: Sequence[Verdict]) -> bool:
-    """A fault was found (``cannot-audit`` is no verdict, not a fault)."""
-    return any(v.verdict in FAULTS for v in verdicts)

@@ -83,7 +83,7 @@ class Canary:
         if version is None:
             return
         salt = cache_salt(self.snapshot.generation, version)
-        target = Target(logical_id, version.base, version, salt, [])
+        target = Target(logical_id, version.base, version, salt, [], self.pool.expected_print(version))
         replicas = eligible(self.pool.replicas, target)
         if not replicas:
             return

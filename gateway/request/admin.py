@@ -14,9 +14,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, Unauthorized
+from gateway.core.identity import base_name
 from gateway.core.prefix import PrefixIndex
 from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER, replica_id
+from gateway.fleet.base_prints import base_status
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -93,13 +96,13 @@ class Admin:
         self.check(request)
         versions = {
             s.logical_id: {"digest": s.digest, "name": s.name, "epoch": s.epoch, "base": s.base,
-                           "path": s.path}
+                           "path": s.path, "base_print": short(self.pool.expected_print(s))}
             for s in self.snapshot
         }  # fmt: skip
         replicas = [
             {"id": replica_id(r.url), "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
              "base": r.listing.base_name, "max_model_len": r.listing.max_model_len,
-             "adapters": r.listing.adapters}
+             "adapters": r.listing.adapters, **base_status(self.pool, r, self.snapshot)}
             for r in self.pool.replicas
         ]  # fmt: skip
         doc = {
@@ -125,12 +128,15 @@ def _utf8(text: str) -> bytes | None:
         return None
 
 
-def list_models(snapshot: Snapshot, base_model: str, caller: Caller | None = None) -> web.Response:
-    """``/v1/models``: the base model and every logical ID (never a versioned name); for a caller with an
-    API key, only what it may use."""
-    allowed = sorted(state.logical_id for state in snapshot if may_use(caller, state.logical_id))
-    base = [(base_model, None)] if may_use_base(caller) else []
-    ids = [*base, *((logical_id, base_model) for logical_id in allowed)]
+def list_models(snapshot: Snapshot, bases: list[str], caller: Caller | None = None) -> web.Response:
+    """``/v1/models``: the base models the pool serves and every logical ID (never a versioned name),
+    each with the base it was published for as its parent; for a caller with an API key, only what it
+    may use."""
+    allowed = sorted(
+        (state.logical_id, base_name(state.base)) for state in snapshot if may_use(caller, state.logical_id)
+    )
+    served = [(base_name(base), None) for base in bases] if may_use_base(caller) else []
+    ids = [*served, *allowed]
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "parent": parent}
         for model, parent in ids

@@ -173,23 +173,29 @@ class Proxy:
 
     def resolve(self, parsed: ParsedRequest, caller: Caller | None) -> Target:
         """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID.
-        No model (where the route allows none) is the base model; a follow-up of a stored response
+        A base model is any base a healthy replica serves (by its listing), or the configured one; no
+        model (where the route allows none) is the configured base; a follow-up of a stored response
         goes to its replica's base (``intake`` pinned it and checked the caller owns it)."""
         if parsed.route.kind == "response":
-            return Target(UNKNOWN, self.options.base_identity, None, None, [])
-        if parsed.model in ("", self.options.base_model):
+            pin = parsed.admin.pin
+            base = pin.base if pin is not None and pin.base else self.options.base_identity
+            return Target(UNKNOWN, base, None, None, [])
+        model = parsed.model or self.options.base_model
+        served_bases = self.pool.base_identities()
+        if model == self.options.base_model or model in served_bases:
             if not may_use_base(caller):
-                raise not_found(parsed.model or self.options.base_model)
-            base = self.options.base_identity
+                raise not_found(model)
+            base = self.options.base_identity if model == self.options.base_model else served_bases[model]
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
-            return Target(self.options.base_model, base, None, salt, [])
+            return Target(model, base, None, salt, [])
         version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
         if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
             raise not_found(parsed.model)  # or one the caller may not use, is never served
+        expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
-            return Target(parsed.model, version.base, version, cold_salt(), [])
+            return Target(parsed.model, version.base, version, cold_salt(), [], expected)
         salt = cache_salt(self.snapshot.generation, version)
-        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.prompt))
+        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.prompt), expected)
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 

@@ -177,19 +177,24 @@ class EpochTable:
         run = self._run_acked if acked else self.run
         return _text(await run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
 
-    async def publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
+    async def publish(
+        self, logical_id: str, digest: str, name: str, path: str, base: str, base_print: str = ""
+    ) -> Change:
+        """BASE_PRINT: the fingerprint of the base it is published for ('' : none; see base_print.py)."""
         with self._span("kvgate.publish", logical_id, digest=digest) as span:
-            change = await self._publish(logical_id, digest, name, path, base)
+            change = await self._publish(logical_id, digest, name, path, base, base_print)
             span.set_attribute(attr.EPOCH, change.epoch)
             return change
 
-    async def _publish(self, logical_id: str, digest: str, name: str, path: str, base: str) -> Change:
+    async def _publish(
+        self, logical_id: str, digest: str, name: str, path: str, base: str, base_print: str
+    ) -> Change:
         await self.ensure_generation(acked=True)  # on a Cluster, these two live on other servers
         await self._acked(("SADD", keys.IDS, logical_id), keys.IDS, f"adding {logical_id!r} to {keys.IDS}")
         code, epoch = await self._run_acked(
             "publish_version",
             [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, base_print],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=digest)
@@ -337,6 +342,7 @@ def _parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | Non
         path=raw[b"path"].decode(),
         base=raw[b"base"].decode(),
         epoch=int(raw[b"epoch"]),
+        base_print=raw.get(b"base_print", b"").decode(),
     )
 
 

@@ -84,6 +84,17 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.base_print_changes = Counter(
+            "kvgate_base_print_changes",
+            "Times a replica's base fingerprint changed (another base under its name)",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.base_mismatched = Gauge(
+            "kvgate_base_mismatched_versions",
+            "Current versions a replica may not serve: its base fingerprint differs from theirs",
+            ["replica"],
+            registry=r,
+        )
         self.purges = Counter(
             "kvgate_prefix_purges", "purge-all prefix cache resets", ["replica", "outcome"], registry=r
         )

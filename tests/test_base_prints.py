@@ -1,0 +1,300 @@
+"""Base fingerprints against stub backends (real Redis, the real kvgate app): eligibility by print, a base
+swapped under a replica's name, several bases in one pool, and ``kvgate publish --base``.
+
+The stub answers kvgate's probe from its ``weights``: changing them is another base under the same name.
+The real-vLLM test (other weights in the same model directory) is tests/vllm/test_base_swap_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from redis.asyncio import Redis
+
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
+from gateway.app import build_app
+from gateway.cli_base import choose_base
+from gateway.config import Settings
+from gateway.core import base_print
+from gateway.core.model import Target, VersionState
+from gateway.core.scheduler import eligible
+from gateway.core.wire import cache_salt
+from gateway.serving import free_port, running
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.metrics import Metrics
+from tests.conftest import MakeAdapter, eventually
+from tests.stub_backend import StubState, build_stub
+from tests.test_cli import kvgate
+
+TOKEN = "test-admin-token"
+
+
+def test_the_rule_tokens_exact_logprobs_within_the_calibrated_tolerance() -> None:
+    one = base_print.take(" a b", [[-0.5, -0.25], [-0.5, -0.25]], floor=0.01)
+    assert one.tolerance == 0.01  # bit-exact cold runs: the floor decides
+    assert base_print.decode(one.encode()) == one
+    near = base_print.take(" a b", [[-0.505, -0.25]], floor=0.0)
+    far = base_print.take(" a b", [[-0.6, -0.25]], floor=0.0)
+    other_tokens = base_print.take(" a c", [[-0.5, -0.25]], floor=0.01)
+    assert one.matches(near)
+    assert not one.matches(far)
+    assert not one.matches(other_tokens)
+    assert "greedy tokens differ" in (one.difference(other_tokens) or "")
+    noisy = base_print.take(" a b", [[-0.5, -0.25], [-0.45, -0.25]], floor=0.0)
+    assert noisy.tolerance == pytest.approx(0.1)  # 2 x the spread of its own cold runs
+    assert not noisy.matches(base_print.take(" a b", [[-0.7, -0.25]], floor=0.0))
+    assert noisy.matches(far)
+    assert base_print.prints_match("", None)
+    assert not base_print.prints_match(one.encode(), None)
+    assert base_print.decode("not-a-print") is None
+
+
+class View:
+    def __init__(self, url: str, base_print: str | None, base: str = "base") -> None:
+        self.url, self.base, self.base_print = url, base, base_print
+        self.healthy, self.in_flight, self.adapter_count = True, 0, 0
+
+    def serves(self, name: str, root: str) -> bool:
+        return True
+
+
+def test_a_replica_is_eligible_only_when_its_base_print_matches() -> None:
+    p0 = base_print.take(" w0", [[-0.5]], 0.01).encode()
+    p1 = base_print.take(" w1", [[-0.5]], 0.01).encode()
+    version = VersionState("t", "d" * 64, "t@d", "/s/d", "base", 1, base_print=p0)
+    replicas = [View("a", p0), View("b", p1), View("c", None), View("d", p0, base="other")]
+    target = Target("t", "base", version, cache_salt("g", version), [], version.base_print)
+    assert [r.url for r in eligible(replicas, target)] == ["a"]
+    legacy = Target("t", "base", version, None, [], "")
+    assert [r.url for r in eligible(replicas, legacy)] == ["a", "b", "c"]
+    unprinted = VersionState("t", "d" * 64, "t@d", "/s/d", "base", 1)
+    assert cache_salt("g", unprinted) != cache_salt("g", version), "the print is in the cache namespace"
+
+
+async def status(url: str) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/kvgate/status", headers={"x-kvgate-admin-token": TOKEN}) as response,
+    ):
+        doc: dict[str, Any] = await response.json()
+        return doc
+
+
+async def metric(url: str, line_start: str) -> float | None:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+        for line in (await response.text()).splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def publish_for(
+    table: EpochTable, store: AdapterStore, adapter: Path, replicas: list[str], base: str | None = None
+) -> str:
+    chosen = await choose_base(Settings(replicas=replicas, store=store.root), base)
+    await publish_adapter(table, store, "tenant-42", adapter, chosen.identity, base_print=chosen.print)
+    return chosen.print
+
+
+class RestartableStub:
+    """A stub replica on a fixed port that can be stopped and started again (a replica's restart)."""
+
+    def __init__(self, state: StubState) -> None:
+        self.state, self.port = state, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stack = contextlib.AsyncExitStack()
+
+    async def start(self) -> None:
+        await self.stack.enter_async_context(running(build_stub(self.state), "127.0.0.1", self.port))
+
+    async def stop(self) -> None:
+        await self.stack.aclose()
+
+
+async def test_a_swapped_base_is_another_base_until_it_is_swapped_back(
+    redis: Redis,
+    redis_server: EmbeddedRedis,
+    table: EpochTable,
+    store: AdapterStore,
+    make_adapter: MakeAdapter,
+) -> None:
+    a, b = StubState(), StubState()
+    replica_a = RestartableStub(a)
+    await replica_a.start()
+    try:
+        async with running(build_stub(b)) as url_b:
+            await swap_and_back(redis, table, store, make_adapter, replica_a, url_b, b, redis_server.url)
+    finally:
+        await replica_a.stop()
+
+
+async def swap_and_back(
+    redis: Redis,
+    table: EpochTable,
+    store: AdapterStore,
+    make_adapter: MakeAdapter,
+    replica_a: RestartableStub,
+    url_b: str,
+    b: StubState,
+    redis_url: str,
+) -> None:
+    a, url_a = replica_a.state, replica_a.url
+    printed = await publish_for(table, store, make_adapter(b"v1"), [url_a, url_b])
+    assert base_print.decode(printed) is not None
+    settings = Settings(replicas=[url_a, url_b], store=store.root, admin_token=TOKEN,
+                        reconcile_interval=0.1, poll_interval=0.1, drain_grace=0.2)  # fmt: skip
+    metrics = Metrics()
+    async with (
+        running(build_app(settings, redis, metrics=metrics)) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+    ):
+        for replica in (url_a, url_b):  # pinned, so that both replicas hold the version
+            pin = {"x-kvgate-pin": replica, "x-kvgate-admin-token": TOKEN}
+            await api.completions.create(model="tenant-42", prompt="x", max_tokens=1, extra_headers=pin)
+        await eventually(lambda: bool(a.adapters) and bool(b.adapters), "loaded on both", 10)
+        probes = a.probes
+
+        async def restart_a(weights: int, *, keeps_adapters: bool = False) -> None:
+            """Down for longer than a poll, then back (a server with static adapters keeps them)."""
+            await replica_a.stop()
+            a.weights = weights
+            if not keeps_adapters:
+                a.adapters = {}
+            await eventually(a_seen_down, "seen down", 10)
+            await replica_a.start()
+
+        async def a_seen_down() -> bool:
+            return not {r["url"]: r for r in (await status(url))["replicas"]}[url_a]["healthy"]
+
+        async def a_is_another_base() -> bool:
+            seen = {r["url"]: r for r in (await status(url))["replicas"]}[url_a]
+            return bool(seen["healthy"]) and "tenant-42" in seen["base_mismatch"]
+
+        await restart_a(1, keeps_adapters=True)  # other weights under the same name and root
+        await eventually(a_is_another_base, "the swap reported", 10)
+        await eventually(lambda: not a.adapters, "the old base's version unloaded there", 10)
+        unloads = f'kvgate_adapter_unloads_total{{reason="base-mismatch",replica="{url_a}"}}'
+        assert await metric(url, unloads) == 1.0
+        assert a.probes > probes, "the restart was fingerprinted again"
+        seen = {r["url"]: r for r in (await status(url))["replicas"]}
+        assert "greedy tokens differ" in seen[url_a]["base_print_changed"]
+        assert seen[url_a]["base_print_previous"] == base_print.short(printed)
+        assert seen[url_b]["base_mismatch"] == {}
+        assert await metric(url, f'kvgate_base_mismatched_versions{{replica="{url_a}"}}') == 1.0
+        assert await metric(url, f'kvgate_base_print_changes_total{{replica="{url_a}"}}') == 1.0
+
+        def cli_status_says_why() -> bool:
+            done = kvgate("status", "--redis-url", redis_url, data_dir=store.root.parent / "cli")
+            return f"OTHER BASE on {url_a}" in done.stdout and "greedy tokens differ" in done.stdout
+
+        await eventually(lambda: asyncio.to_thread(cli_status_says_why), "kvgate status says why", 30)
+        before = len(a.received)
+        for _ in range(6):
+            await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)
+        assert len(a.received) == before, "never routed there"
+        assert not a.adapters, "never loaded there"
+
+        await restart_a(0)  # back to the original weights
+
+        async def a_serves_again() -> bool:
+            pin = {"x-kvgate-pin": url_a, "x-kvgate-admin-token": TOKEN}
+            try:
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1, extra_headers=pin)
+            except openai.APIStatusError:
+                return False
+            return len(a.received) > before
+
+        await eventually(a_serves_again, "eligible and routed there again", 10)
+        assert await metric(url, f'kvgate_base_mismatched_versions{{replica="{url_a}"}}') == 0.0
+
+
+async def test_several_bases_in_one_pool(
+    redis: Redis, table: EpochTable, store: AdapterStore, make_adapter: MakeAdapter
+) -> None:
+    a, b = StubState(), StubState(base="other", base_root="/models/other", weights=7)
+    async with running(build_stub(a)) as url_a, running(build_stub(b)) as url_b:
+        await publish_for(table, store, make_adapter(b"v1"), [url_a, url_b], base="other")
+        settings = Settings(replicas=[url_a, url_b], store=store.root, admin_token=TOKEN,
+                            reconcile_interval=0.1, poll_interval=0.1)  # fmt: skip
+        async with (
+            running(build_app(settings, redis)) as url,
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+        ):
+            for _ in range(3):
+                await api.completions.create(model="other", prompt="x", max_tokens=1)
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)
+            assert [body["model"] for body in a.received] == []
+            assert {body["model"] for body in b.received} == {"other", next(iter(b.adapters))}
+            models = {m.id: getattr(m, "parent", None) for m in (await api.models.list()).data}
+            assert models == {"base": None, "other": None, "tenant-42": "other"}
+            with pytest.raises(openai.NotFoundError):
+                await api.completions.create(model="third", prompt="x", max_tokens=1)
+
+
+async def test_publish_base_is_refused_when_several_are_served(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    a, b = StubState(), StubState(base="other", weights=3)
+    async with running(build_stub(a)) as url_a, running(build_stub(b)) as url_b:
+        replicas = ["--replica", url_a, "--replica", url_b]
+        data = tmp_path / "kvgate"
+        adapter = str(make_adapter(b"v1"))
+        refused = await asyncio.to_thread(kvgate, "publish", "tenant-42", adapter, *replicas, data_dir=data)
+        assert refused.returncode != 0
+        assert "several bases (base, other): choose one with --base" in refused.stderr
+        assert not (data / "store").exists(), "nothing stored"
+        unknown = await asyncio.to_thread(
+            kvgate, "publish", "tenant-42", adapter, *replicas, "--base", "third", data_dir=data
+        )
+        assert unknown.returncode != 0
+        assert "no replica serves base 'third'" in unknown.stderr
+        done = await asyncio.to_thread(
+            kvgate, "publish", "tenant-42", adapter, *replicas, "--base", "other", "--json", data_dir=data
+        )
+        assert done.returncode == 0, done.stderr
+        doc = json.loads(done.stdout)
+        assert doc["base"] == "other"
+        assert doc["base_print"].startswith("bp1-")
+        b.weights = 4  # a second replica of "other" with other weights: the two disagree
+        async with running(build_stub(StubState(base="other", weights=3))) as url_c:
+            disagree = await asyncio.to_thread(
+                kvgate, "publish", "tenant-42", adapter, "--replica", url_b, "--replica", url_c, data_dir=data
+            )
+        assert disagree.returncode != 0
+        assert "have different fingerprints" in disagree.stderr
+
+
+async def test_base_model_root_keeps_a_replica_of_another_root_apart(
+    redis: Redis, table: EpochTable, store: AdapterStore, make_adapter: MakeAdapter
+) -> None:
+    """With ``base_model_root``, the root a replica lists is part of its base: publish takes the print of
+    the replicas of that root only, and kvgate routes the version only there."""
+    a, b = StubState(base_root="/models/a"), StubState(base_root="/models/b", weights=5)
+    async with running(build_stub(a)) as url_a, running(build_stub(b)) as url_b:
+        settings = Settings(replicas=[url_a, url_b], store=store.root, admin_token=TOKEN,
+                            base_model_root="/models/b", poll_interval=0.1)  # fmt: skip
+        chosen = await choose_base(settings, None)
+        assert chosen.identity == "base=/models/b"
+        await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), chosen.identity,
+                              base_print=chosen.print)  # fmt: skip
+        async with (
+            running(build_app(settings, redis)) as url,
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+        ):
+            for _ in range(4):
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1)
+            pin = {"x-kvgate-pin": url_a, "x-kvgate-admin-token": TOKEN}
+            with pytest.raises(openai.APIStatusError) as refused:
+                await api.completions.create(model="tenant-42", prompt="x", max_tokens=1, extra_headers=pin)
+            assert refused.value.status_code == 503
+    assert a.received == []
+    assert len(b.received) == 4
