@@ -65,7 +65,13 @@ class Settings(BaseSettings):
     """If set, a replica's base must also report this ``root`` in /v1/models to be eligible."""
 
     reconcile_interval: float = Field(1.0, gt=0)
-    """Seconds between full re-reads of the epoch table (change hints arrive sooner)."""
+    """Seconds between heartbeats: the epoch table's checksum compared, one scrub step (changes arrive
+    sooner, from the change log)."""
+    change_log_length: int = Field(10_000, ge=100)
+    """Change-log entries Redis keeps (XADD MAXLEN ~); a kvgate further behind reads the table in full."""
+    scrub_page: int = Field(1_000, ge=1)
+    """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
+    every snapshot within ceil(IDs / scrub_page) + 1 heartbeats."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     drain_grace: float = Field(30.0, ge=0)

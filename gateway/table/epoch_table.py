@@ -1,6 +1,6 @@
 """The shared epoch table in Redis: one thin typed wrapper over the Lua scripts in ``lua/``.
 
-Every mutation is one script (atomic, one Cluster slot, publishes a hint). Each operation
+Every mutation is one script (atomic, one Cluster slot, logged: changelog.py). Each operation
 ``lua/NAME.lua`` runs with ``lua/lib/common.lua`` prepended (``assemble_script``; ``kvgate script NAME``
 prints the same text for ``redis-cli --eval``). The status codes are the lib's ``CODE`` table, which
 ``codes()`` reads from that same file; ``_raise_for`` is the one place that maps them to exceptions.
@@ -47,6 +47,9 @@ REDIS_DOWN = (
     OSError,
 )
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
+READ_PAGE = 1_000  # IDs per page of a full read
+PREFIX_MIN = keys.DIGEST_PREFIX_MIN
+LOGGED = (keys.LOG, keys.ROWS, keys.CHECK)  # the change log's keys, declared by every logged script
 ACK_TIMEOUT = 1.0
 """Seconds a publish, rollback or bump waits for a Redis replica's acknowledgement, by default."""
 
@@ -127,8 +130,10 @@ class EpochTable:
         clock: Clock = wall_clock_ms,
         tracer: Tracer | None = None,
         ack_timeout: float = ACK_TIMEOUT,
+        log_kept: int = keys.LOG_KEPT,
     ) -> None:
         self.redis = redis
+        self.log_kept = log_kept  # change-log entries kept (XADD MAXLEN ~)
         self.clock = clock
         self.tracer = tracer or NoOpTracer()
         self.ack_timeout = ack_timeout
@@ -188,8 +193,8 @@ class EpochTable:
         await self._acked(("SADD", keys.IDS, logical_id), keys.IDS, f"adding {logical_id!r} to {keys.IDS}")
         code, epoch = await self._run_acked(
             "publish_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, name, path, base, self.clock(), self.log_kept, keys.HISTORY_KEPT],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=digest)
@@ -205,8 +210,8 @@ class EpochTable:
     async def _rollback(self, logical_id: str, digest: str, base: str) -> Change:
         code, epoch, target = await self._run_acked(
             "rollback_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, keys.DIGEST_PREFIX_MIN],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, base, self.clock(), self.log_kept, keys.HISTORY_KEPT, PREFIX_MIN],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=_text(target))
@@ -220,8 +225,8 @@ class EpochTable:
     async def _bump(self, logical_id: str) -> Change:
         code, epoch = await self._run_acked(
             "bump_epoch",
-            [keys.state(logical_id), keys.history(logical_id)],
-            [logical_id, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, self.clock(), self.log_kept, keys.HISTORY_KEPT],
         )
         _raise_for(int(code), logical_id, "")
         return Change(changed=True, epoch=int(epoch))
@@ -234,8 +239,8 @@ class EpochTable:
         await self.redis.sadd(keys.IDS, logical_id)
         code, current = await self.run(
             "reseed_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, name, path, base, epoch, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, name, path, base, epoch, self.clock(), self.log_kept, keys.HISTORY_KEPT],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(current), digest=digest)
@@ -270,25 +275,25 @@ class EpochTable:
         """Whether DIGEST was ever published (or re-seeded) for BASE under LOGICAL_ID."""
         return bool(await self.redis.hexists(keys.versions(logical_id), keys.version_field(base, digest)))
 
-    async def read_all(self) -> TableView:
-        """Every current version, all of one generation: a read the table was emptied under is read again
-        (else it would show the old generation with no IDs, and the snapshot would forget them all)."""
+    async def read_all(self, page: int = READ_PAGE) -> TableView:
+        """Every current version, all of one generation, a page at a time (SSCAN COUNT PAGE, then one
+        pipeline of HGETALLs per page): a read the table was emptied under is read again (else it would
+        show the old generation with no IDs, and the snapshot would forget them all)."""
         while True:
-            generation = await self.ensure_generation()
-            ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for logical_id in ids:
-                    pipe.hgetall(keys.state(logical_id))
-                pipe.get(keys.GENERATION)
-                *raws, after = await pipe.execute()
-            if after is not None and _text(after) == generation:
-                break
-        states = {}
-        for logical_id, raw in zip(ids, raws, strict=True):
-            state = _parse_state(logical_id, raw)
-            if state is not None:
-                states[logical_id] = state
-        return TableView(generation, states)
+            generation, cursor = await self.ensure_generation(), 0
+            states: dict[str, VersionState] = {}
+            while True:
+                cursor, page_ids = await self.redis.sscan(keys.IDS, cursor, count=page)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for logical_id in (ids := sorted({_text(i) for i in page_ids} - states.keys())):
+                        pipe.hgetall(keys.state(logical_id))
+                    for logical_id, raw in zip(ids, await pipe.execute(), strict=True):
+                        if (state := _parse_state(logical_id, raw)) is not None:
+                            states[logical_id] = state
+                if cursor == 0:
+                    break
+            if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
+                return TableView(generation, states)
 
     async def read_history(self, logical_id: str) -> list[dict[str, Any]]:
         raw = await self.redis.lrange(keys.history(logical_id), 0, -1)
