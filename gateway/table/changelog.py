@@ -4,7 +4,7 @@ Every script that changes a current version appends one entry to the stream ``kv
 same script (``log_change`` in lua/lib/common.lua): the logical ID, the action, and the state hash as the
 change left it, so applying an entry needs no further read. ``ChangeLog.read`` follows it from a position
 (``XREAD BLOCK``); ``trimmed_past`` says whether entries after a position were trimmed away (``XINFO
-STREAM``'s max-deleted-entry-id), which only a full read can make up for. ``heartbeat`` runs
+STREAM``), which only a full read can make up for. ``heartbeat`` runs
 lua/heartbeat.lua: the table's generation, the sum of its row hashes and the newest entry's id, and
 one step of the shared scrub that turns direct edits into 'drift' entries.
 """
@@ -78,17 +78,19 @@ class ChangeLog:
         return [_entry(_text(at), fields) for at, fields in entries]
 
     async def trimmed_past(self, position: str) -> bool:
-        """Whether an entry after POSITION has been trimmed (or deleted) from the log."""
-        if position == START:
-            return False
+        """Whether entries after POSITION may have been trimmed from the log (``XINFO STREAM``): its first
+        entry is newer than POSITION (conservative: also when only POSITION itself went, a reader about
+        ``LOG_KEPT`` entries behind), or, from the START, anything was ever trimmed."""
         try:
             info = await self.redis.xinfo_stream(keys.LOG)
         except redis.exceptions.ResponseError as exc:  # no such key: the log is gone (Redis came back
             if "no such key" in str(exc).lower():  # empty, or someone deleted it)
-                return True
+                return position != START
             raise
-        deleted = info.get("max-deleted-entry-id", START)
-        return entry_id(_text(deleted)) > entry_id(position)
+        if position == START:
+            return int(info["entries-added"]) > int(info["length"])
+        first = info.get("first-entry")
+        return first is not None and entry_id(_text(first[0])) > entry_id(position)
 
     async def heartbeat(self, scrub_every_ms: int) -> Beat:
         generation, checksum, last = await self.table.run(

@@ -106,6 +106,7 @@ class SyncCounts:
 
     full_reads: collections.Counter[str] = field(default_factory=collections.Counter)
     """By reason: start, generation, trimmed (the position fell off the log), checksum."""
+    heartbeats: int = 0
     entries: int = 0  # change-log entries applied
     drift: int = 0  # of them, 'drift' entries: the scrub saw a write that bypassed the scripts
 
@@ -173,6 +174,7 @@ class SnapshotSync:
     async def heartbeat(self) -> None:
         """Compare the snapshot with the table's check; a new generation or a mismatch reads it in full."""
         beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
+        self.counts.heartbeats += 1
         async with self._reading:
             if not self.snapshot.position:
                 await self._full_read("start")
