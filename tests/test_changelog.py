@@ -117,7 +117,8 @@ async def test_changes_made_while_cut_off_are_applied_from_the_log(
             await eventually(caught_up, "the changes arrive from the log", 10.0)
             await eventually(lambda: not sync.snapshot.flushed, "the snapshot is current again", 10.0)
             state = sync.snapshot.get("tenant-42")
-            assert state is not None and state.digest == D2
+            assert state is not None
+            assert state.digest == D2
             assert dict(sync.counts.full_reads) == {"start": 1}, "no full read: the log had it all"
             assert sync.counts.entries == 3
     finally:
