@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     """Change-log entries Redis keeps (XADD MAXLEN ~); a kvgate further behind reads the table in full."""
     scrub_page: int = Field(1_000, ge=1)
     """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
-    every snapshot within ceil(IDs / scrub_page) + 1 heartbeats."""
+    every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     drain_grace: float = Field(30.0, ge=0)

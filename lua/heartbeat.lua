@@ -8,8 +8,9 @@ means its snapshot went wrong and it reads the table in full. Writes that bypass
 HINCRBY from redis-cli) move neither: the scrub finds them. At most once per ARGV[2] ms, whichever
 kvgate's heartbeat comes first re-reads the next page of about ARGV[3] IDs (SSCAN of the ID index, a
 cursor kept in CHECK), and every ID whose state no longer matches its row in ROWS gets a 'drift' entry in
-the change log, so every kvgate applies it from the log. A full pass over N IDs takes ceil(N / ARGV[3])
-steps: a direct edit is in every snapshot within about that many intervals, one more for the log.
+the change log, so every kvgate applies it from the log. A full pass takes ceil(B / ARGV[3]) steps, B the
+ID set's hash-table size (SSCAN COUNT walks buckets: the power of two at or above the number of IDs): a
+direct edit is in every snapshot within that many intervals, one more for the log.
 
 KEYS[1]  kvg:{epochs}:generation   KEYS[2] kvg:{epochs}:check   KEYS[3] kvg:{epochs}:ids
 KEYS[4]  kvg:{epochs}:rows         KEYS[5] kvg:{epochs}:log
