@@ -276,21 +276,19 @@ class EpochTable:
         return bool(await self.redis.hexists(keys.versions(logical_id), keys.version_field(base, digest)))
 
     async def read_all(self, page: int = READ_PAGE) -> TableView:
-        """Every current version, all of one generation, a page at a time (SSCAN COUNT PAGE, then one
-        pipeline of HGETALLs per page): a read the table was emptied under is read again (else it would
-        show the old generation with no IDs, and the snapshot would forget them all)."""
+        """Every current version, all of one generation, a page at a time (lua/read_page.lua: SSCAN COUNT
+        PAGE and the page's state hashes in one bounded reply): a read the table was emptied under is read
+        again (else it would show the old generation with no IDs, and the snapshot would forget them)."""
         while True:
-            generation, cursor = await self.ensure_generation(), 0
+            generation, cursor = await self.ensure_generation(), "0"
             states: dict[str, VersionState] = {}
             while True:
-                cursor, page_ids = await self.redis.sscan(keys.IDS, cursor, count=page)
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for logical_id in (ids := sorted({_text(i) for i in page_ids} - states.keys())):
-                        pipe.hgetall(keys.state(logical_id))
-                    for logical_id, raw in zip(ids, await pipe.execute(), strict=True):
-                        if (state := _parse_state(logical_id, raw)) is not None:
-                            states[logical_id] = state
-                if cursor == 0:
+                cursor, rows = await self.run("read_page", [keys.IDS], [cursor, page, keys.STATE_PREFIX])
+                for logical_id, fields in json.loads(rows):
+                    raw = {name.encode(): value.encode() for name, value in fields.items()}
+                    if (state := _parse_state(logical_id, raw)) is not None:
+                        states[logical_id] = state
+                if (cursor := _text(cursor)) == "0":
                     break
             if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
                 return TableView(generation, states)
