@@ -91,8 +91,9 @@ async def test_a_version_the_store_cannot_prove_is_not_reseeded(
             shutil.rmtree(lost.path)  # its bytes are gone: nothing proves that version any more
             await redis.flushall()
 
-            async def counted() -> bool:
-                return bool((await health(http, url)).get("table", {}).get("new_generations"))
+            async def counted() -> bool:  # the new generation, and both IDs' outcomes
+                doc = (await health(http, url)).get("table", {})
+                return bool(doc.get("new_generations")) and doc["reseeded"] + doc["unproven"] == 2
 
             await eventually(counted, "/healthz reports the new table generation")
             doc = (await health(http, url))["table"]
