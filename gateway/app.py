@@ -244,6 +244,7 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
         reseeder=app[RESEEDER],
         on_replica_hint=app[POOL].refresh_hinted,
         scrub_page=app[SETTINGS].scrub_page,
+        metrics=app[METRICS],
     )
     await sync.reconcile()
     async with _background(sync.run()):

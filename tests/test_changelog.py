@@ -20,6 +20,7 @@ from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.telemetry.metrics import Metrics
 from tests.conftest import eventually
 from tests.test_epoch_table import BASE, D1, D2
 
@@ -134,8 +135,9 @@ async def test_a_position_trimmed_off_the_log_costs_exactly_one_full_read(
     link = Link(redis_server)
     await link.up()
     client = Redis.from_url(link.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    metrics = Metrics()
     try:
-        async with following(client) as sync:
+        async with following(client, metrics=metrics) as sync:
             await link.cut()
             await eventually(lambda: sync.snapshot.flushed, "the kvgate notices Redis is gone", 10.0)
             for _ in range(400):
@@ -148,6 +150,9 @@ async def test_a_position_trimmed_off_the_log_costs_exactly_one_full_read(
             await short.bump("tenant-42")  # and it follows the log again from there
             await eventually(lambda: epoch_of(sync, "tenant-42") == 402, "the next change arrives", 10.0)
             assert dict(sync.counts.full_reads) == {"start": 1, "trimmed": 1}
+            exposed = metrics.exposition().decode()
+            assert 'kvgate_table_full_reads_total{reason="trimmed"} 1.0' in exposed
+            assert 'kvgate_table_log_entries_total{action="bump"} 1.0' in exposed
     finally:
         await client.aclose()
         await link.cut()

@@ -30,6 +30,7 @@ from gateway.table import keys
 from gateway.table.changelog import START, Beat, ChangeLog, Entry, row_hash
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 from gateway.table.reseed import Reseeder
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class SnapshotSync:
         on_replica_hint: ReplicaHint | None = None,
         block: float = BLOCK_S,
         scrub_page: int = keys.SCRUB_PAGE,
+        metrics: Metrics | None = None,
     ) -> None:
         self.table = table
         self.log = ChangeLog(table, scrub_page=scrub_page)
@@ -133,6 +135,7 @@ class SnapshotSync:
         self.on_replica_hint = on_replica_hint
         """Called with a replica's URL when some kvgate saw its loaded adapters change."""
         self.counts = SyncCounts()
+        self.metrics = metrics
         self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
         self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
         self._hinted: dict[str, asyncio.Task[None]] = {}  # replica URL -> its hinted refresh, running
@@ -145,6 +148,8 @@ class SnapshotSync:
 
     async def _full_read(self, reason: str) -> None:
         self.counts.full_reads[reason] += 1
+        if self.metrics is not None:
+            self.metrics.full_reads.labels(reason).inc()
         if reason != "start":
             log.warning("reading the epoch table in full: %s", reason)
         position = await self.log.head()
@@ -215,6 +220,8 @@ class SnapshotSync:
 
     def _apply(self, entry: Entry) -> None:
         self.counts.entries += 1
+        if self.metrics is not None:
+            self.metrics.log_entries.labels(entry.action).inc()
         self.snapshot.position = entry.position
         held = self.snapshot.get(entry.logical_id)
         if entry.action == "drift":
