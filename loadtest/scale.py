@@ -81,10 +81,11 @@ class Result:
     full_reads: dict[str, int] = field(default_factory=dict)
 
 
-ISSUED = ("cmdstat_evalsha", "cmdstat_xread", "cmdstat_xinfo|stream", "cmdstat_get", "cmdstat_hget")
-"""What a following kvgate sends itself (heartbeat EVALSHA, XREAD BLOCK, XINFO after a batch; GET and
-HGET only at a full read); every other command in commandstats ran inside a script (the scrub's HMGET
-and HGET, a publish's writes)."""
+ISSUED = ("cmdstat_evalsha", "cmdstat_xread", "cmdstat_xinfo|stream")
+"""What a following kvgate sends itself once it has read the table (heartbeat EVALSHA, XREAD BLOCK, XINFO
+after a batch); every other command in commandstats ran inside a script (the scrub's HMGET and HGET, a
+publish's writes), or was sent by the publisher (with changes: an HGETALL and an EVALSHA per publish),
+or by the old path (SMEMBERS, HGETALL per ID, GET)."""
 
 
 async def stats(redis: Redis) -> tuple[dict[str, int], float]:
@@ -203,9 +204,12 @@ def row(r: Result) -> str:
     assert r.idle is not None
     assert r.busy is not None
     cold = statistics.median(r.cold_start_s)
+    sent_idle, sent_busy = (
+        (r.idle.issued, r.busy.issued) if r.path == "new" else (r.idle.commands, r.busy.commands)
+    )
     return (
-        f"| {r.path} | {r.kvgates} | {r.ids:,} | {r.idle.commands:,.0f} | {r.idle.issued / r.kvgates:,.2f} | "
-        f"{r.idle.cpu:.1f} | {r.busy.commands:,.0f} | {r.busy.issued / r.kvgates:,.2f} | {r.busy.cpu:.1f} | "
+        f"| {r.path} | {r.kvgates} | {r.ids:,} | {r.idle.commands:,.0f} | {sent_idle / r.kvgates:,.2f} | "
+        f"{r.idle.cpu:.1f} | {r.busy.commands:,.0f} | {sent_busy / r.kvgates:,.2f} | {r.busy.cpu:.1f} | "
         f"{pct(r.converge_ms, 0.5):.1f} | {pct(r.converge_ms, 0.99):.1f} | {r.unconverged} | {cold:.2f} | "
         f"{max(r.cold_start_s):.2f} | {r.tracemalloc_mb:.1f} | {r.full_reads} |"
     )
