@@ -19,7 +19,7 @@ ARGV[5]  the state keys' prefix (kvg:{epochs}:state:, then the ID)
 
 Returns {generation ('' when there is none), sum, last ('0-0' before the first entry)}.
 ]]
-local check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms')
+local check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms', 'sum', 'last')
 if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
   local page = redis.call('SSCAN', KEYS[3], check[1] or '0', 'COUNT', ARGV[3])
   for _, id in ipairs(page[2]) do
@@ -37,6 +37,6 @@ if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
   if page[1] == '0' then
     redis.call('HINCRBY', KEYS[2], 'scrub_rounds', 1)
   end
+  check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms', 'sum', 'last')  -- drift moved them
 end
-local now = redis.call('HMGET', KEYS[2], 'sum', 'last')
-return {redis.call('GET', KEYS[1]) or '', now[1] or '0', now[2] or '0-0'}
+return {redis.call('GET', KEYS[1]) or '', check[3] or '0', check[4] or '0-0'}
