@@ -158,7 +158,9 @@ async def scenario(
         ]
         argv += ["--memory"] if i == 0 else []
         workers.append(
-            await asyncio.create_subprocess_exec(*argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 30
+            )
         )
     readies = [json.loads(await worker.stdout.readline()) for worker in workers]  # type: ignore[union-attr]
     for ready in readies:
