@@ -22,7 +22,7 @@ from gateway.table.redis_server import EmbeddedRedis
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import eventually
-from tests.test_epoch_table import BASE, D1, D2
+from tests.test_epoch_table import BASE, D1, D2, logged
 
 
 class Link:
@@ -166,7 +166,7 @@ async def test_a_direct_hincrby_is_logged_by_the_scrub(redis: Redis, table: Epoc
         await eventually(lambda: epoch_of(sync, "tenant-7") == 2, "the scrub finds the direct edit", 10.0)
         assert sync.counts.drift == 1
         assert dict(sync.counts.full_reads) == {"start": 1}, "applied from the log, no full read"
-        (_, entry), *_ = await redis.xrevrange(keys.LOG, count=1)
+        *_, (_, entry) = await logged(redis)
         assert (entry[b"id"], entry[b"action"], entry[b"epoch"]) == (b"tenant-7", b"drift", b"2")
         rounds = int(await redis.hget(keys.CHECK, "scrub_rounds") or 0)
         await eventually(lambda: _rounds_past(redis, rounds + 1), "the scrub makes another pass", 10.0)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -26,6 +27,12 @@ from gateway.table.epoch_table import (
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 BASE = "base"
+
+
+async def logged(redis: Redis) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The change log's entries (id, fields), oldest first."""
+    entries: Any = await redis.xrange(keys.LOG)
+    return list(entries)
 
 
 async def publish(table: EpochTable, digest: str, base: str = BASE) -> tuple[bool, int]:
@@ -270,7 +277,7 @@ async def test_mutations_are_logged_and_replica_changes_hinted(table: EpochTable
     assert message["data"] == b"replica:http://r1"
     assert await pubsub.get_message(timeout=0.3) is None  # the table's changes go to the log, not here
     await pubsub.aclose()  # type: ignore[no-untyped-call]
-    entries = await redis.xrange(keys.LOG)
+    entries = await logged(redis)
     assert [(e[b"id"], e[b"action"], e[b"epoch"]) for _, e in entries] == [
         (b"tenant-42", b"publish", b"1"),
         (b"tenant-42", b"bump", b"2"),

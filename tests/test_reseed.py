@@ -23,6 +23,7 @@ from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
+from tests.test_epoch_table import logged
 
 BODY = {"prompt": "p", "max_tokens": 1}
 
@@ -120,8 +121,8 @@ async def test_concurrent_reseeds_end_at_the_freshest_version_each_written_once(
     history = await table.read_history("tenant-42")
     assert [e["action"] for e in history] == ["reseeded"] * sum(change.changed for change in results)
     assert history[0]["epoch"] == 7
-    logged = [(e[b"id"], e[b"action"], int(e[b"epoch"])) for _, e in await redis.xrange(keys.LOG)]
-    assert logged == [(b"tenant-42", b"reseeded", event["epoch"]) for event in reversed(history)]
+    entries = [(e[b"id"], e[b"action"], int(e[b"epoch"])) for _, e in await logged(redis)]
+    assert entries == [(b"tenant-42", b"reseeded", event["epoch"]) for event in reversed(history)]
 
 
 async def test_a_reseed_changes_nothing_after_a_lower_epoch_or_any_other_write(table: EpochTable) -> None:
