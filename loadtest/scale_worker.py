@@ -48,7 +48,7 @@ async def old_read_all(redis: Redis) -> TableView:
 
 class SimulatedKvgate:
     def __init__(self, url: str, path: str, interval: float) -> None:
-        self.redis = Redis.from_url(url, socket_timeout=10.0)
+        self.redis = Redis.from_url(url, socket_timeout=120.0)  # a fleet starting at once queues on Redis
         self.seen: Seen = []
         self.snapshot = Snapshot(on_epoch_change=self._changed)
         self.path = path
