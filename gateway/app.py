@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 
 import aiohttp
@@ -38,6 +38,7 @@ from gateway.request.auth import Auth
 from gateway.request.boundary import ServerLog, openai_errors
 from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy, ProxyOptions
+from gateway.request.routes import ROUTES, Route
 from gateway.serving import EDGE, EdgeLimits
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.connection import RedisClient
@@ -97,7 +98,9 @@ def build_app(
     )
     app[SETTINGS] = settings
     app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (gateway.serving)
-    app[METRICS] = metrics = metrics or Metrics()
+    app[METRICS] = metrics = metrics or Metrics(
+        top_k=settings.metrics_top_k, rerank_interval=settings.metrics_rerank_interval
+    )
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
@@ -119,9 +122,12 @@ def build_app(
     app.cleanup_ctx.append(_purger)
 
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
-    async def proxy_handler(request: web.Request) -> web.StreamResponse:
-        with app[DRAIN].request():
-            return await app[PROXY].handle(request)
+    def proxy_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            with app[DRAIN].request():
+                return await app[PROXY].handle(request, route)
+
+        return handler
 
     async def models_handler(request: web.Request) -> web.StreamResponse:
         return list_models(app[SNAPSHOT], app[SETTINGS].base_model, app[AUTH].caller(request))
@@ -146,9 +152,9 @@ def build_app(
         return web.json_response(body, status=200 if pool.healthy() and not app[DRAIN].draining else 503)
 
     def api_routes(target: web.Application) -> None:
-        target.router.add_post("/v1/completions", proxy_handler)
-        target.router.add_post("/v1/chat/completions", proxy_handler)
         target.router.add_get("/v1/models", models_handler)
+        for route in ROUTES:  # every vLLM model route; nothing else reaches a replica
+            target.router.add_route(route.method, route.path, proxy_handler(route))
         target.router.add_get("/healthz", health_handler)
 
     api_routes(app)
@@ -164,7 +170,8 @@ def build_app(
 
 
 def _epoch_changed(app: web.Application, logical_id: str) -> None:
-    app[METRICS].epoch_changes.labels(logical_id).inc()
+    metrics = app[METRICS]
+    metrics.epoch_changes.labels(metrics.for_id(logical_id)).inc()
     if PURGER in app:
         app[PURGER].changed(logical_id)
 

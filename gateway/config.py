@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from gateway.adapters.store import DEFAULT_MAX_BYTES
 from gateway.core.identity import base_identity
+from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K
 
 
 class Settings(BaseSettings):
@@ -128,6 +129,10 @@ class Settings(BaseSettings):
     """If set, /kvgate/status and /metrics are served on this port (with the API), 404 on the public one."""
     expose_replica_urls: bool = False
     """Name replicas by URL in ``x-kvgate-replica`` (default: a stable id; /kvgate/status maps id to URL)."""
+    metrics_top_k: int = Field(DEFAULT_TOP_K, ge=0)
+    """Logical IDs with /metrics counters of their own: the top K by traffic; the rest count as ``other``."""
+    metrics_rerank_interval: float = Field(DEFAULT_RERANK_INTERVAL, gt=0)
+    """Seconds between re-rankings of the top K (a demoted ID's series: frozen one interval, then dropped)."""
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -44,6 +44,9 @@ class StubState:
     hold: asyncio.Event | None = None  # a stream pauses after its first chunk until this is set
     listings: int = 0  # GET /v1/models answered or being answered
     listing_gate: asyncio.Event | None = None  # while set to an unset event, /v1/models waits for it
+    routed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body or form) per
+    # request on the other model routes (embeddings, responses, tokenize, audio, ...)
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored /v1/responses by id
 
 
 STUB = web.AppKey("stub", StubState)
@@ -103,7 +106,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, state: StubState, body: dict[str, Any]) -> web.StreamResponse:
-    model = body["model"]
+    model = body.get("model") or state.base  # vLLM: no model is the served (base) model
     if model != state.base and model not in state.adapters:
         msg = f"The model `{model}` does not exist."
         return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
@@ -163,6 +166,106 @@ async def _prompts(request: web.Request) -> web.Response:
     return web.json_response(request.app[STUB].prompts)
 
 
+def _unknown(state: StubState, model: str) -> web.Response | None:
+    if model == state.base or model in state.adapters:
+        return None
+    msg = f"The model `{model}` does not exist."
+    return web.json_response({"error": {"message": msg, "type": "NotFoundError", "code": 404}}, status=404)
+
+
+async def _routed(request: web.Request) -> web.StreamResponse:
+    """Any other JSON model route: records the body and answers with the model it ran (as vLLM's
+    answers carry ``model``); no model is the base model, as in vLLM."""
+    state = request.app[STUB]
+    body = await request.json()
+    state.routed.append((request.path, body))
+    model = body.get("model") or state.base
+    if (refused := _unknown(state, model)) is not None:
+        return refused
+    if request.path == "/v1/responses":
+        return await _respond(request, state, body, model)
+    usage = {"prompt_tokens": 3, "total_tokens": 3}
+    data = [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}]
+    return web.json_response({"object": request.path, "model": model, "data": data, "usage": usage})
+
+
+async def _respond(
+    request: web.Request, state: StubState, body: dict[str, Any], model: str
+) -> web.StreamResponse:
+    previous = body.get("previous_response_id")
+    if previous is not None and previous not in state.responses:
+        msg = f"Response with id '{previous}' not found."
+        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
+    rid = body.get("request_id", "resp_stub")
+    stored = {"id": rid, "object": "response", "model": model, "status": "completed",
+              "previous_response_id": previous, "output": [{"type": "message", "content": "ok"}]}  # fmt: skip
+    state.responses[rid] = stored
+    if not _STREAM.validate_python(body.get("stream")):
+        return web.json_response(stored)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": {**stored, "status": "in_progress"}}),
+        ("response.output_text.delta", {"delta": "ok"}),
+        ("response.completed", {"response": stored}),
+    ]
+    for kind, event in events:
+        data = json.dumps({"type": kind, **event}, separators=(",", ":"))
+        await response.write(f"event: {kind}\ndata: {data}\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+async def _stored_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}`` and its cancel: only this replica's own store, as in vLLM."""
+    state = request.app[STUB]
+    rid = request.match_info["response_id"]
+    state.routed.append((request.path, dict(request.query)))
+    if rid not in state.responses:
+        msg = f"Response with id '{rid}' not found."
+        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
+    if request.path.endswith("/cancel"):
+        state.responses[rid]["status"] = "cancelled"
+    return web.json_response(state.responses[rid])
+
+
+async def _audio(request: web.Request) -> web.StreamResponse:
+    """Transcription and translation: a multipart form with ``model`` and a ``file``."""
+    state = request.app[STUB]
+    form = await request.post()
+    fields: dict[str, Any] = {}
+    for name, value in form.items():
+        fields[name] = value.file.read() if isinstance(value, web.FileField) else value
+    state.routed.append((request.path, fields))
+    model = str(fields.get("model") or state.base)
+    if (refused := _unknown(state, model)) is not None:
+        return refused
+    text = f"heard {len(fields.get('file', b''))} bytes"
+    if not _STREAM.validate_python(fields.get("stream")):
+        return web.json_response({"text": text, "usage": {"type": "duration", "seconds": 1}})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    chunk = {"object": "transcription.chunk", "model": model, "choices": [{"delta": {"content": text}}]}
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _replica_only(request: web.Request) -> web.Response:
+    """A route a replica serves that kvgate must never expose (health, metrics, admin)."""
+    request.app[STUB].routed.append((request.path, {}))
+    return web.Response(text="replica internals")
+
+
+REPLICA_ONLY = (("GET", "/metrics"), ("GET", "/load"), ("GET", "/version"), ("GET", "/ping"),
+                ("POST", "/ping"), ("POST", "/sleep"), ("POST", "/wake_up"), ("POST", "/invocations"),
+                ("GET", "/server_info"), ("POST", "/collective_rpc"), ("POST", "/start_profile"),
+                ("GET", "/kv_event_sources"), ("POST", "/pause"), ("POST", "/update_weights"))  # fmt: skip
+"""Routes vLLM serves on the replica itself that kvgate must not pass through (with /health, LoRA
+loading and /reset_prefix_cache above)."""
+
+
 def build_stub(state: StubState) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no body limit of its own
     app[STUB] = state
@@ -173,6 +276,16 @@ def build_stub(state: StubState) -> web.Application:
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
+    for path in ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize", "/v1/score", "/score",
+                 "/v1/rerank", "/rerank", "/v2/rerank", "/pooling", "/classify", "/v1/messages",
+                 "/inference/v1/generate"):  # fmt: skip
+        app.router.add_post(path, _routed)
+    app.router.add_get("/v1/responses/{response_id}", _stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", _stored_response)
+    app.router.add_post("/v1/audio/transcriptions", _audio)
+    app.router.add_post("/v1/audio/translations", _audio)
+    for method, path in REPLICA_ONLY:
+        app.router.add_route(method, path, _replica_only)
     app.router.add_get("/stub/stats", _stats)
     app.router.add_get("/stub/prompts", _prompts)
     return app

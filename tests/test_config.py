@@ -99,6 +99,8 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "admin_host": ("10.0.0.1", "10.0.0.1"),
     "admin_port": ("9101", 9101),
     "expose_replica_urls": ("", True),  # a switch: the flag alone
+    "metrics_top_k": ("7", 7),
+    "metrics_rerank_interval": ("60", 60.0),
 }
 
 

@@ -173,9 +173,9 @@ async def test_hundreds_of_slow_streams_to_one_replica_all_complete(redis: Redis
     streams, chunks = 300, 10
     async with stubs(1) as backends:
         stub_url, stub = backends[0]
-        stub.chunks, stub.chunk_delay = chunks, 0.1
+        stub.chunks, stub.chunk_delay = chunks, 0.25
         async with (
-            kvgate(redis, tmp_path, [stub_url], connect_timeout=0.5) as url,
+            kvgate(redis, tmp_path, [stub_url], connect_timeout=1.0) as url,
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
         ):
             answers = await asyncio.gather(*(full_stream(http, url) for _ in range(streams)))

@@ -141,7 +141,7 @@ async def test_rollback_errors(table: EpochTable) -> None:
     with pytest.raises(ModelNotFound):
         await table.rollback("nobody", "", BASE)
     await publish(table, D1)
-    with pytest.raises(VersionNotFound, match="earlier version"):
+    with pytest.raises(VersionNotFound, match=r"has no earlier version for base 'base'$"):
         await table.rollback("tenant-42", "", BASE)
     with pytest.raises(VersionNotFound):
         await table.rollback("tenant-42", "f" * 64, BASE)

@@ -203,7 +203,7 @@ async def post(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
 async def test_malformed_bodies_are_400_and_oversized_413(gateway: Gateway) -> None:
     async with stubs(1) as backends, gateway([backends[0][0]], max_body_bytes=2048) as url:
         bad_json = await post(url, b"{not json")
-        no_model = await post(url, json.dumps({"prompt": "p"}).encode())
+        no_model = await post(url, json.dumps({"model": 5, "prompt": "p"}).encode())  # no model: the base
         array = await post(url, b"[1]")
         huge = await post(url, json.dumps({"model": "base", "prompt": "x" * 4096}).encode())
     assert bad_json[0] == no_model[0] == array[0] == 400

@@ -41,8 +41,12 @@ class Body:
     prompt: str  # the start of the prompt as prefix keys see it (``prefix.prompt_text``)
 
 
-def decode(raw: bytes) -> Body:
-    """Parse and check a request body; every refusal is a ``BadRequest`` that says why."""
+def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = frozenset()) -> Body:
+    """Parse and check a request body; every refusal is a ``BadRequest`` that says why.
+
+    ``model_optional``: the route's vLLM request model has ``model: str | None`` (no model, or null, is
+    the base model: ``model`` is then ""). ``owned``: more members the gateway owns on this route (they
+    are left out of ``rest`` like ``model``, e.g. ``request_id`` on ``/v1/responses``)."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -50,21 +54,29 @@ def decode(raw: bytes) -> Body:
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     model = doc.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and model_optional:
+        model = ""
+    elif not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
+    stream = stream_flag(doc.get("stream"))
+    skip = _OWNED | owned
     try:
-        stream = _STREAM.validate_python(doc.get("stream")) is True
+        rest = orjson.dumps({key: value for key, value in doc.items() if key not in skip})
+    except orjson.JSONEncodeError as exc:  # orjson writes at most 254 levels of nesting
+        raise BadRequest(f"request body is nested too deeply to forward ({exc})") from exc
+    namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
+    return Body(doc, model, stream, namespaced, rest, prompt_text(doc))
+
+
+def stream_flag(value: object) -> bool:
+    """``stream`` read as vLLM reads it (a JSON member, a form field or a query parameter)."""
+    try:
+        return _STREAM.validate_python(value) is True
     except ValidationError as exc:
         raise BadRequest(
             'stream must be a boolean (read as vLLM reads it: true, false, "true", "false", 1, 0, null)',
             param="stream",
         ) from exc
-    try:
-        rest = orjson.dumps({key: value for key, value in doc.items() if key not in _OWNED})
-    except orjson.JSONEncodeError as exc:  # orjson writes at most 254 levels of nesting
-        raise BadRequest(f"request body is nested too deeply to forward ({exc})") from exc
-    namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
-    return Body(doc, model, stream, namespaced, rest, prompt_text(doc))
 
 
 def splice(rest: bytes, owned: dict[str, str]) -> bytes:

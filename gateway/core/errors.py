@@ -110,6 +110,14 @@ class ModelNotFound(KvgateError):
     type = "not_found_error"
 
 
+class ResponseNotFound(KvgateError):
+    """A ``/v1/responses`` id kvgate did not mint, whose replica left the pool, or that the caller may not
+    see (the same answer for all three)."""
+
+    status = 404
+    type = "not_found_error"
+
+
 class CallerNotFound(KvgateError):
     status = 404
     type = "not_found_error"

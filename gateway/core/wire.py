@@ -5,11 +5,13 @@ public name: ``replica_id``, not its address, unless configured). The admin-only
 request to one replica or ask for a fresh (cold) cache namespace; audits use both. The gateway's cache
 namespaces (``cache_salt`` on vLLM) are derived here, never taken from a client: a fixed ``kvg-`` prefix
 and hex only, so they can never collide with a LoRA name. With API keys on, the base model gets one
-namespace per tenant (``tenant_salt``).
+namespace per tenant (``tenant_salt``). ``/v1/responses`` ids are minted here too: they name the
+replica that stores the response and the tenant that owns it (``response_id``).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 
 from blake3 import blake3
@@ -55,3 +57,27 @@ def replica_id(url: str) -> str:
 def cold_salt() -> str:
     """A fresh, throwaway namespace: nothing cached before can match it."""
     return f"{SALT_PREFIX}cold-{secrets.token_hex(16)}"
+
+
+RESPONSE_ID_PREFIX = "resp_"
+_MINTED_RESPONSE_ID = re.compile(
+    rf"{RESPONSE_ID_PREFIX}({REPLICA_ID_PREFIX}[0-9a-f]{{12}})-([0-9a-f]{{12}})-[0-9a-f]{{32}}"
+)
+
+
+def response_owner(tenant: str | None) -> str:
+    """Who may follow up a stored response: a tenant (API keys on), or anyone (keys off: None)."""
+    return blake3(f"response\0{tenant if tenant is not None else ''}".encode()).hexdigest()[:12]
+
+
+def response_id(replica_url: str, tenant: str | None) -> str:
+    """A ``/v1/responses`` id kvgate mints (as vLLM's ``request_id``): it names the replica that stores
+    the response and the tenant that owns it, so every kvgate sends a follow-up to that replica, for that
+    tenant only, without any shared state. 32 random hex make it unguessable, as vLLM's own ids are."""
+    return f"{RESPONSE_ID_PREFIX}{replica_id(replica_url)}-{response_owner(tenant)}-{secrets.token_hex(16)}"
+
+
+def response_parts(response_id: str) -> tuple[str, str] | None:
+    """The ``replica_id`` and owner a minted response id names; None for an id kvgate did not mint."""
+    match = _MINTED_RESPONSE_ID.fullmatch(response_id)
+    return (match.group(1), match.group(2)) if match is not None else None

@@ -114,7 +114,9 @@ class Canary:
 
     def _record(self, logical_id: str, verdicts: list[Verdict]) -> None:
         for verdict in verdicts:
-            self.metrics.audits.labels(logical_id, verdict.replica, verdict.verdict).inc()
+            self.metrics.audits.labels(
+                self.metrics.for_id(logical_id), verdict.replica, verdict.verdict
+            ).inc()
             if verdict.verdict != COHERENT:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail

@@ -1,7 +1,9 @@
 """The OpenAI-compatible request path, in stages: caller → parse → resolve (snapshot) → schedule → forward.
 
-Going in, ``model`` is rewritten from the logical ID to the versioned name and the gateway sets the
-cache namespace (the client's ``cache_salt`` is never forwarded). Coming out (``relay``), the versioned
+Every vLLM model route (``routes.ROUTES``) takes this one path; the route's kind says how the body
+carries the model (``intake``). Going in, ``model`` is rewritten from the logical ID to the versioned
+name and the gateway sets the cache namespace where the route takes one (the client's ``cache_salt`` is
+never forwarded). Coming out (``relay``), the versioned
 name is rewritten back to the logical ID and headers say which effective model answered. Where a
 request runs is the scheduler's decision; this module carries it out (a load through the loader, then
 the forward). No Redis command runs here: the snapshot (and the API key copy) is local. Each request
@@ -19,15 +21,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
-from gateway.core.body import Body, decode, splice
 from gateway.core.errors import (
     BackendUnreachable,
-    BodyTooLarge,
     ClientClosed,
     KvgateError,
     NoEligibleReplica,
@@ -49,20 +48,16 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.request import relay
-from gateway.request.admin import Admin, AdminOptions
+from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found
+from gateway.request.intake import Intake, ParsedRequest, upstream_body
+from gateway.request.routes import Route
 from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import UNKNOWN, Metrics
 
 log = logging.getLogger(__name__)
-
-INLINE_PARSE_BYTES = 64 * 1024
-"""Bodies larger than this are decoded in a worker thread, one at a time: orjson holds the GIL while it
-parses, so two at once could keep the event loop waiting for both; one at a time, for one at most."""
-CHUNKED_SEND_BYTES = 1024 * 1024
-"""Upstream bodies larger than this go out in 64 KiB writes, with the event loop free between them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,25 +67,6 @@ class ProxyOptions:
     max_body_bytes: int
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
-    decoded: Body
-    raw: bytes
-    admin: AdminOptions
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return self.decoded.doc
-
-    @property
-    def model(self) -> str:
-        return self.decoded.model
-
-    @property
-    def stream(self) -> bool:
-        return self.decoded.stream
 
 
 class Proxy:
@@ -128,20 +104,20 @@ class Proxy:
             r.url: r.url if options.expose_replica_urls else replica_id(r.url) for r in pool.replicas
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
-        self.decoding = asyncio.Semaphore(1)  # large bodies, decoded off the event loop one at a time
+        self.intake = Intake(admin, pool.replicas, options.max_body_bytes)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.monotonic()
         label, outcome = UNKNOWN, "error"
         with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
             try:
                 caller = self.auth.caller(request)
-                parsed = await self.parse(request)
+                parsed = await self.intake.parse(request, route, caller)
                 target = self.resolve(parsed, caller)
-                label = target.logical_id
+                label = self.metrics.for_request(target.logical_id)
                 if target.version is not None:
-                    self.activity[label] = started
-                _describe_target(span, request, target, self.dialect.name)
+                    self.activity[target.logical_id] = started
+                _describe_target(span, route, target, self.dialect.name)
                 response = await self.schedule_and_forward(request, parsed, target, span, started)
                 outcome = str(response.status)
                 return response
@@ -154,7 +130,7 @@ class Proxy:
                 raise
             finally:
                 self.metrics.requests.labels(label, outcome).inc()
-                self.metrics.latency.labels(label).observe(time.monotonic() - started)
+                self.metrics.latency.observe(time.monotonic() - started)
 
     async def schedule_and_forward(
         self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
@@ -184,41 +160,29 @@ class Proxy:
                 self.metrics.routing.labels("retry").inc()
         raise NoEligibleReplica("no replica left to try")
 
-    # --- stage 1: parse --------------------------------------------------------------------------
-
-    async def parse(self, request: web.Request) -> ParsedRequest:
-        limit = self.options.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
-        if len(raw) <= INLINE_PARSE_BYTES:
-            decoded = decode(raw)
-        else:
-            async with self.decoding:
-                decoded = await asyncio.to_thread(decode, raw)
-        admin = self.admin.options(request)
-        return ParsedRequest(decoded, raw, admin)
+    # --- stage 1: parse (``intake``: the body as the route's kind says; follow-ups pinned) ---------
 
     # --- stage 2: resolve ------------------------------------------------------------------------
 
     def resolve(self, parsed: ParsedRequest, caller: Caller | None) -> Target:
-        """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID."""
-        if parsed.model == self.options.base_model:
+        """The effective model; what ``caller`` may not use is not found, exactly like an unknown ID.
+        No model (where the route allows none) is the base model; a follow-up of a stored response
+        goes to its replica's base (``intake`` pinned it and checked the caller owns it)."""
+        if parsed.route.kind == "response":
+            return Target(UNKNOWN, self.options.base_identity, None, None, [])
+        if parsed.model in ("", self.options.base_model):
             if not may_use_base(caller):
-                raise not_found(parsed.model)
+                raise not_found(parsed.model or self.options.base_model)
             base = self.options.base_identity
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
-            return Target(parsed.model, base, None, salt, [])
+            return Target(self.options.base_model, base, None, salt, [])
         version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
         if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
             raise not_found(parsed.model)  # or one the caller may not use, is never served
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [])
         salt = cache_salt(self.snapshot.generation, version)
-        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.decoded.prompt))
+        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.prompt))
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
@@ -241,24 +205,6 @@ class Proxy:
 
     # --- stage 4: forward ------------------------------------------------------------------------
 
-    def upstream_body(self, parsed: ParsedRequest, target: Target) -> bytes | io.BytesIO:
-        """The client's body as it came, or, when kvgate must change it, the body serialized once at parse
-        time without ``model`` and the client's namespace fields (a client never chooses a cache
-        namespace) with the gateway's own members spliced in: nothing is serialized again here.
-        A large body is wrapped in a BytesIO (no copy), which aiohttp sends in chunks."""
-        if target.version is None and target.salt is None and not parsed.decoded.namespaced:
-            body = parsed.raw
-        else:
-            owned = {"model": target.version.name if target.version is not None else parsed.model}
-            if target.version is not None:
-                namespaced = self.options.namespaces  # the version's namespace (version-scoped invalidation)
-            else:
-                namespaced = self.dialect.cache_namespaces  # the tenant's base-model namespace
-            if target.salt is not None and namespaced:
-                self.dialect.set_cache_namespace(owned, target.salt)
-            body = splice(parsed.decoded.rest, owned)
-        return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
-
     async def forward(
         self,
         request: web.Request,
@@ -269,25 +215,31 @@ class Proxy:
         started: float,
     ) -> web.StreamResponse:
         name = target.version.name if target.version is not None else None
-        headers = {"Content-Type": "application/json"}
+        route = parsed.route
+        body = upstream_body(parsed, target, replica.url, self.dialect, namespaces=self.options.namespaces)
+        headers = {"Content-Type": "application/json"} if isinstance(body, bytes | io.BytesIO) else {}
         if AUTHORIZATION_HEADER in request.headers and not self.auth.on:  # with keys on: kvgate's, not theirs
             headers[AUTHORIZATION_HEADER] = request.headers[AUTHORIZATION_HEADER]
         if self.tracing:
             attr.inject_traceparent(headers)
-        rewrite = relay.model_rewrite(name, target.logical_id) if name is not None else None
-        usage = relay.Usage(self.metrics, target.logical_id, span)
+        rewrite = _rewrite(route, name, target.logical_id)
+        usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
         evidence = relay.evidence(target, self.replica_names[replica.url])
+        path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
+        response: web.StreamResponse
         async with self._in_use(replica, name):
             with relay.upstream_errors(self.replica_names[replica.url]):
                 # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
                 async with (
                     replica.connection(),
-                    self.pool.session.post(
-                        replica.url + request.path, data=self.upstream_body(parsed, target), headers=headers
+                    self.pool.session.request(
+                        route.method, replica.url + path, data=body, headers=headers
                     ) as upstream,
                 ):
-                    self.metrics.ttfb.labels(target.logical_id).observe(time.monotonic() - started)
-                    if parsed.stream and upstream.content_type == "text/event-stream":
+                    self.metrics.ttfb.observe(time.monotonic() - started)
+                    if route.kind == "model-card":
+                        response = await relay.relay_card(upstream, name or parsed.model, target, evidence)
+                    elif parsed.stream and upstream.content_type == "text/event-stream":
                         response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
                     else:
                         response = await relay.relay_body(upstream, rewrite, usage, evidence)
@@ -309,12 +261,17 @@ class Proxy:
                 self.leases.release(replica.url, name)
 
 
-def _describe_target(span: Span, request: web.Request, target: Target, provider: str) -> None:
+def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite | None:
+    """How ``model`` is rewritten coming out: this version's name, or any (a stored response)."""
+    if name is not None:
+        return relay.model_rewrite(name, logical_id)
+    return relay.ANY_VERSION if route.kind == "response" else None
+
+
+def _describe_target(span: Span, route: Route, target: Target, provider: str) -> None:
     if not span.is_recording():
         return
-    span.set_attribute(
-        attr.OPERATION, "chat" if request.path.endswith("chat/completions") else "text_completion"
-    )
+    span.set_attribute(attr.OPERATION, route.operation)
     span.set_attribute(attr.PROVIDER, provider)
     span.set_attribute(attr.REQUEST_MODEL, target.logical_id)
     span.set_attribute(attr.LOGICAL_ID, target.logical_id)

@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Span
 
-from gateway.core.errors import BackendTimeout, BackendUnreachable, ClientClosed, KvgateError
+from gateway.core.errors import BackendTimeout, BackendUnreachable, ClientClosed, KvgateError, ModelNotFound
 from gateway.core.model import Target
 from gateway.core.wire import DIGEST_HEADER, EPOCH_HEADER, PREFIX_KEY_HEADER, REPLICA_HEADER, VERSION_HEADER
 from gateway.telemetry import tracing as attr
@@ -33,7 +33,8 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
 class Usage:
-    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics and the span."""
+    """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics (under ``label``, from
+    ``Metrics.for_id``) and the span."""
 
     __slots__ = ("label", "metrics", "span")
 
@@ -77,6 +78,35 @@ def model_rewrite(versioned: str, logical: str) -> ModelRewrite:
     return ModelRewrite(versioned, logical)
 
 
+class AnyVersionRewrite:
+    """Rewrites any versioned name in ``model`` back to its logical ID (``tenant-42@<16 hex>`` →
+    ``tenant-42``): for answers whose effective model kvgate does not know in advance (a stored
+    response fetched by its id)."""
+
+    __slots__ = ()
+    _VERSIONED = re.compile(rb'("model":\s?")([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}"')
+
+    def apply(self, data: bytes) -> bytes:
+        return self._VERSIONED.sub(rb'\1\2"', data) if b"@" in data else data
+
+
+ANY_VERSION = AnyVersionRewrite()
+Rewrite = ModelRewrite | AnyVersionRewrite
+
+
+def model_card(payload: bytes, served: str, logical: str) -> dict[str, object] | None:
+    """``/v1/models/{model}``: the card the replica lists for ``served``, under the caller's name for it
+    (a version's ``root``, its store path, is the logical ID too), or None when it lists no such card."""
+    try:
+        listing = json.loads(payload)
+        card = next(c for c in listing["data"] if isinstance(c, dict) and c.get("id") == served)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return None
+    if served == logical:
+        return dict(card)
+    return {**card, "id": logical, "root": logical}
+
+
 def evidence(target: Target, replica_url: str) -> dict[str, str]:
     """The response headers that say which effective model answered, and where."""
     headers = {REPLICA_HEADER: replica_url}
@@ -90,7 +120,7 @@ def evidence(target: Target, replica_url: str) -> dict[str, str]:
 
 
 async def relay_body(
-    upstream: aiohttp.ClientResponse, rewrite: ModelRewrite | None, usage: Usage, headers: dict[str, str]
+    upstream: aiohttp.ClientResponse, rewrite: Rewrite | None, usage: Usage, headers: dict[str, str]
 ) -> web.Response:
     payload = await upstream.read()
     response = web.Response(body=transform(payload, rewrite, usage), status=upstream.status, headers=headers)
@@ -98,10 +128,25 @@ async def relay_body(
     return response
 
 
+async def relay_card(
+    upstream: aiohttp.ClientResponse, served: str, target: Target, headers: dict[str, str]
+) -> web.Response:
+    """``/v1/models/{model}`` from the replica's listing (an error from it passes as it came)."""
+    payload = await upstream.read()
+    if upstream.status != 200:
+        return web.Response(body=payload, status=upstream.status, headers=headers)
+    card = model_card(payload, served, target.logical_id)
+    if card is None:
+        raise ModelNotFound(
+            f"The model `{target.logical_id}` does not exist.", param="model", code="model_not_found"
+        )
+    return web.json_response(card, headers=headers)
+
+
 async def relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
-    rewrite: ModelRewrite | None,
+    rewrite: Rewrite | None,
     usage: Usage,
     headers: dict[str, str],
 ) -> web.StreamResponse:
@@ -160,7 +205,7 @@ class _ClientWriter:
             raise ClientClosed("the client closed its connection mid-stream") from exc
 
 
-def transform(data: bytes, rewrite: ModelRewrite | None, usage: Usage) -> bytes:
+def transform(data: bytes, rewrite: Rewrite | None, usage: Usage) -> bytes:
     usage.scan(data)
     return rewrite.apply(data) if rewrite is not None else data
 

@@ -316,7 +316,7 @@ def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
         raise ModelNotFound(f"logical ID {logical_id!r} has no published version", param="model")
     for_base = f" for base {base!r}" if base else ""
     if name == "NO_SUCH_VERSION":
-        wanted = f"version {digest!r}" if digest else "an earlier version"
+        wanted = f"version {digest!r}" if digest else "earlier version"
         raise VersionNotFound(f"{logical_id!r} has no {wanted}{for_base}", param="digest")
     if name == "AMBIGUOUS_PREFIX":
         raise VersionNotFound(

@@ -1,38 +1,53 @@
 """Prometheus metrics, in one registry per app (no process-global default registry).
 
-Labels stay bounded: a logical ID label is only ever a published ID (unknown models count as
-``unknown``), replicas are the configured URLs, outcomes and verdicts are small fixed sets.
+Labels stay bounded whatever the number of tenants: only counters made by ``_counter_by_id`` carry a
+``logical_id`` label, and its value comes from ``for_request`` / ``for_id``: the ID itself for the top K
+IDs by traffic, ``other`` for the rest (``top_ids`` says how IDs enter and leave the top K), ``unknown``
+for a request that resolved to no servable ID. Histograms and gauges carry no logical ID. Replicas are
+the configured URLs; outcomes, reasons and verdicts are small fixed sets. Adding a metric is one line
+here: a plain ``Counter``/``Histogram``/``Gauge``, or ``self._counter_by_id(...)`` for a per-ID counter.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K, OTHER, TopIds
+
 UNKNOWN = "unknown"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-__all__ = ["CONTENT_TYPE_LATEST", "UNKNOWN", "Metrics"]
+ID_LABEL = "logical_id"
+
+__all__ = ["CONTENT_TYPE_LATEST", "ID_LABEL", "OTHER", "UNKNOWN", "Metrics"]
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        rerank_interval: float = DEFAULT_RERANK_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
+        self.ids = TopIds(top_k, rerank_interval, self._drop_series, clock)
+        self._by_id: list[Counter] = []
         r = self.registry
-        self.requests = Counter(
-            "kvgate_requests",
-            "Proxied requests by logical ID and outcome",
-            ["logical_id", "outcome"],
-            registry=r,
+        self.requests = self._counter_by_id(
+            "kvgate_requests", "Proxied requests by logical ID (top K, else other) and outcome", "outcome"
         )
         self.latency = Histogram(
-            "kvgate_request_duration_seconds", "Whole request, to the last byte", ["logical_id"],
+            "kvgate_request_duration_seconds", "Whole request, to the last byte",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.ttfb = Histogram(
-            "kvgate_time_to_first_byte_seconds", "Request start to the backend's first byte", ["logical_id"],
+            "kvgate_time_to_first_byte_seconds", "Request start to the backend's first byte",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.routing = Counter(
@@ -64,8 +79,8 @@ class Metrics:
         self.purges = Counter(
             "kvgate_prefix_purges", "purge-all prefix cache resets", ["replica", "outcome"], registry=r
         )
-        self.epoch_changes = Counter(
-            "kvgate_epoch_changes", "Epoch changes seen by this kvgate's snapshot", ["logical_id"], registry=r
+        self.epoch_changes = self._counter_by_id(
+            "kvgate_epoch_changes", "Epoch changes seen by this kvgate's snapshot"
         )
         self.new_generations = Counter(
             "kvgate_table_new_generations",
@@ -96,19 +111,33 @@ class Metrics:
             "Seconds since the snapshot was last confirmed current (a full read or a heartbeat)",
             registry=r,
         )
-        self.audits = Counter(
-            "kvgate_audit_verdicts",
-            "Coherence audit verdicts",
-            ["logical_id", "replica", "verdict"],
-            registry=r,
+        self.audits = self._counter_by_id(
+            "kvgate_audit_verdicts", "Coherence audit verdicts", "replica", "verdict"
         )
-        self.cached_tokens = Counter(
-            "kvgate_backend_cached_tokens", "Prompt tokens the backend served from its prefix cache",
-            ["logical_id"], registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Counter(
-            "kvgate_backend_prompt_tokens", "Prompt tokens the backend reported", ["logical_id"], registry=r
+        self.cached_tokens = self._counter_by_id(
+            "kvgate_backend_cached_tokens", "Prompt tokens the backend served from its prefix cache"
         )
+        self.prompt_tokens = self._counter_by_id(
+            "kvgate_backend_prompt_tokens", "Prompt tokens the backend reported"
+        )
+
+    def for_request(self, logical_id: str) -> str:
+        """Count one request for ``logical_id`` in the traffic ranking; the label to count it under."""
+        return self.ids.request(logical_id)
+
+    def for_id(self, logical_id: str) -> str:
+        """The label ``logical_id``'s counts go under right now: itself if promoted, else ``other``."""
+        return self.ids.label(logical_id)
+
+    def _counter_by_id(self, name: str, documentation: str, *labels: str) -> Counter:
+        """A counter labelled first by ``logical_id`` (always a value from ``for_request``/``for_id``)."""
+        counter = Counter(name, documentation, [ID_LABEL, *labels], registry=self.registry)
+        self._by_id.append(counter)
+        return counter
+
+    def _drop_series(self, logical_id: str) -> None:
+        for counter in self._by_id:
+            counter.remove_by_labels({ID_LABEL: logical_id})
 
     def track_staleness(self, staleness: Callable[[], float]) -> None:
         self.staleness.set_function(staleness)

@@ -1,0 +1,200 @@
+"""Stage 1 of the request path (parse), and what goes upstream: the client's request read once, as its
+route's kind says, and the body the chosen replica gets with the gateway's own members in it.
+
+A JSON body is decoded once (``core.body``; large ones in a worker thread, one at a time); a multipart
+form (audio) is read into memory once, so a retry on another replica sends it again; a follow-up by
+response id and ``/v1/models/{model}`` carry what they name in the path.
+
+A follow-up of a stored response (``GET /v1/responses/{id}``, its cancel, a new response with
+``previous_response_id``) is pinned to the replica its id names (vLLM keeps stored responses in the
+memory of the replica that made them); an id kvgate did not mint, whose replica left the pool, or that
+another tenant owns is the same 404. Going up, ``model`` is the
+versioned name, the gateway's cache namespace is set where the route takes one (a client's is never
+forwarded), and ``/v1/responses`` gets a response id that names the replica (``wire.response_id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.core.body import Body, decode, splice, stream_flag
+from gateway.core.errors import BadRequest, BodyTooLarge, ResponseNotFound
+from gateway.core.model import Target
+from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, replica_id, response_id, response_owner, response_parts
+from gateway.fleet.backends import BackendDialect
+from gateway.fleet.replicas import Replica
+from gateway.request.admin import Admin, AdminOptions
+from gateway.request.routes import Route
+from gateway.table.callers import Caller
+
+INLINE_PARSE_BYTES = 64 * 1024
+"""Bodies larger than this are decoded in a worker thread, one at a time: orjson holds the GIL while it
+parses, so two at once could keep the event loop waiting for both; one at a time, for one at most."""
+CHUNKED_SEND_BYTES = 1024 * 1024
+"""Upstream bodies larger than this go out in 64 KiB writes, with the event loop free between them."""
+_OWNED_BY_MINTING = frozenset(("request_id",))
+
+
+@dataclass(frozen=True, slots=True)
+class FormField:
+    name: str
+    value: str | bytes
+    filename: str | None = None
+    content_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    route: Route
+    caller: Caller | None
+    model: str  # "" when the route allows none: the base model
+    stream: bool
+    admin: AdminOptions
+    decoded: Body | None = None  # a JSON body
+    raw: bytes = b""
+    form: tuple[FormField, ...] = ()  # a multipart body
+    path_id: str = ""  # the response id or model named in the path
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.decoded.doc if self.decoded is not None else {}
+
+    @property
+    def prompt(self) -> str:
+        return self.decoded.prompt if self.decoded is not None else ""
+
+    @property
+    def stored_response(self) -> str | None:
+        """The stored response this request follows up, if any."""
+        if self.route.kind == "response":
+            return self.path_id
+        previous = self.body.get("previous_response_id")
+        return previous if isinstance(previous, str) and self.route.mints_response_id else None
+
+    @property
+    def tenant(self) -> str | None:
+        return self.caller.tenant if self.caller is not None else None
+
+
+class Intake:
+    def __init__(self, admin: Admin, replicas: list[Replica], max_body_bytes: int) -> None:
+        self.admin = admin
+        self.replicas = {replica_id(r.url): r for r in replicas}
+        self.max_body_bytes = max_body_bytes
+        self.decoding = asyncio.Semaphore(1)  # large bodies, decoded off the event loop one at a time
+
+    async def parse(self, request: web.Request, route: Route, caller: Caller | None) -> ParsedRequest:
+        parsed = await self._read(request, route, caller)
+        stored = parsed.stored_response
+        return parsed if stored is None else self._follow(parsed, stored)
+
+    async def _read(self, request: web.Request, route: Route, caller: Caller | None) -> ParsedRequest:
+        limit = self.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+        admin = self.admin.options(request)
+        try:
+            if route.kind == "form":
+                return await self._form(request, route, caller, admin)
+            if route.kind == "response":
+                stream = stream_flag(request.query.get("stream"))
+                path_id = request.match_info["response_id"]
+                return ParsedRequest(route, caller, "", stream, admin, path_id=path_id)
+            if route.kind == "model-card":
+                model = request.match_info["model"]
+                return ParsedRequest(route, caller, model, False, admin, path_id=model)
+            if not route.has_body:
+                return ParsedRequest(route, caller, "", False, admin)
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
+        owned = _OWNED_BY_MINTING if route.mints_response_id else frozenset()
+        if len(raw) <= INLINE_PARSE_BYTES:
+            decoded = decode(raw, model_optional=route.model_optional, owned=owned)
+        else:
+            async with self.decoding:
+                decoded = await asyncio.to_thread(
+                    decode, raw, model_optional=route.model_optional, owned=owned
+                )
+        return ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded, raw)
+
+    async def _form(
+        self, request: web.Request, route: Route, caller: Caller | None, admin: AdminOptions
+    ) -> ParsedRequest:
+        if request.content_type not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            raise BadRequest(f"{route.path} takes a multipart/form-data body")
+        fields: list[FormField] = []
+        for name, value in (await request.post()).items():
+            if isinstance(value, web.FileField):
+                data = await asyncio.to_thread(value.file.read)
+                fields.append(FormField(name, data, value.filename, value.content_type))
+            else:
+                fields.append(FormField(name, value if isinstance(value, str) else bytes(value)))
+        model = next((f.value for f in fields if f.name == "model"), "")
+        if not isinstance(model, str) or (not model and not route.model_optional):
+            raise BadRequest("you must provide a model parameter", param="model")
+        stream = stream_flag(next((f.value for f in fields if f.name == "stream"), None))
+        return ParsedRequest(route, caller, model, stream, admin, form=tuple(fields))
+
+    def _follow(self, parsed: ParsedRequest, stored: str) -> ParsedRequest:
+        """``parsed`` pinned to the replica that stores the response it follows up."""
+        parts = response_parts(stored)
+        replica = self.replicas.get(parts[0]) if parts is not None else None
+        if parts is None or replica is None or not _owns(parsed.caller, parts[1]):
+            raise ResponseNotFound(
+                f"Response with id '{stored}' not found (ids kvgate did not issue cannot be followed up).",
+                param="previous_response_id" if parsed.route.kind != "response" else None,
+                code="response_not_found",
+            )
+        if parsed.admin.pin is not None and parsed.admin.pin is not replica:
+            raise BadRequest(f"response {stored!r} is stored on another replica than the pinned one")
+        return replace(parsed, admin=replace(parsed.admin, pin=replica))
+
+
+def _owns(caller: Caller | None, owner: str) -> bool:
+    """Whether ``caller`` may follow up a response with this owner (None: keys off or the operator)."""
+    return caller is None or response_owner(caller.tenant) == owner
+
+
+Upstream = bytes | io.BytesIO | aiohttp.FormData | None
+
+
+def upstream_body(
+    parsed: ParsedRequest, target: Target, replica_url: str, dialect: BackendDialect, *, namespaces: bool
+) -> Upstream:
+    """The body the replica gets. JSON: the client's bytes as they came or, when kvgate must change
+    them, the body serialized once at parse time without the members kvgate owns, with the gateway's
+    own spliced in (nothing is serialized again here). ``namespaces``: version namespaces are on."""
+    if parsed.route.kind == "form":
+        return _form_body(parsed, target)
+    if parsed.decoded is None:
+        return None
+    owned: dict[str, str] = {}
+    if target.version is not None or parsed.model:
+        owned["model"] = target.version.name if target.version is not None else parsed.model
+    namespaced = namespaces if target.version is not None else dialect.cache_namespaces
+    if parsed.route.namespaced and target.salt is not None and namespaced:
+        dialect.set_cache_namespace(owned, target.salt)
+    if parsed.route.mints_response_id:
+        owned["request_id"] = response_id(replica_url, parsed.tenant)
+    changed = target.version is not None or bool(set(owned) - {"model"}) or parsed.decoded.namespaced
+    body = splice(parsed.decoded.rest, owned) if changed else parsed.raw
+    return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
+
+
+def _form_body(parsed: ParsedRequest, target: Target) -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    for field in parsed.form:
+        if field.name in CLIENT_NAMESPACE_FIELDS:
+            continue  # a client never chooses a cache namespace
+        value = field.value
+        if field.name == "model" and target.version is not None:
+            value = target.version.name
+        form.add_field(field.name, value, filename=field.filename, content_type=field.content_type)
+    return form
