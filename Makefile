@@ -106,3 +106,13 @@ loadtest-edge: $(VENV)/.done
 .PHONY: loadtest-metrics
 loadtest-metrics: $(VENV)/.done
 	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000
+
+# The epoch table at scale: a real redis-server, 100,000 IDs x 3 versions, N simulated kvgates (the real
+# SnapshotSync) for N = 1, 10, 100, the change log vs the old full reconcile: docs/scale.md (+ plot).
+# IDS=20000 KVGATES="1 10" for a shorter run.
+IDS ?= 100000
+KVGATES ?= 1 10 100
+.PHONY: loadtest-scale
+loadtest-scale: $(VENV)/.done
+	$(PY) -m loadtest.scale --ids $(IDS) --kvgates $(KVGATES) --old-kvgates 1 \
+		--out docs/scale-results.md --plot docs/scale-results.png

@@ -113,7 +113,9 @@ def build_app(
     app[TRACER] = tracer_from(tracer_provider)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
-    app[TABLE] = EpochTable(redis, tracer=app[TRACER], ack_timeout=settings.ack_within)
+    app[TABLE] = EpochTable(
+        redis, tracer=app[TRACER], ack_timeout=settings.ack_within, log_kept=settings.change_log_length
+    )
     app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
     app[ACTIVITY] = {}
     app[VERDICTS] = {}
@@ -268,6 +270,8 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
         interval=app[SETTINGS].reconcile_interval,
         reseeder=app[RESEEDER],
         on_replica_hint=app[POOL].refresh_hinted,
+        scrub_page=app[SETTINGS].scrub_page,
+        metrics=app[METRICS],
     )
     await sync.reconcile()
     async with _background(sync.run()):

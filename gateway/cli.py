@@ -39,7 +39,7 @@ from gateway.open_table import open_table
 from gateway.serving import running
 from gateway.settings_table import add_setting_flags, flag_overrides
 from gateway.table.callers import CallerTable
-from gateway.table.epoch_table import assemble_script, operation_names
+from gateway.table.scripts import assemble_script, operation_names
 from gateway.telemetry.tracing import tracer_provider_from_env
 
 

@@ -72,7 +72,13 @@ class Settings(BaseSettings):
     """Least logprob tolerance when comparing base fingerprints (greedy tokens must match exactly)."""
 
     reconcile_interval: float = Field(1.0, gt=0)
-    """Seconds between full re-reads of the epoch table (change hints arrive sooner)."""
+    """Seconds between heartbeats: the epoch table's checksum compared, one scrub step (changes arrive
+    sooner, from the change log)."""
+    change_log_length: int = Field(10_000, ge=100)
+    """Change-log entries Redis keeps (XADD MAXLEN ~); a kvgate further behind reads the table in full."""
+    scrub_page: int = Field(1_000, ge=1)
+    """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
+    every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     drain_grace: float = Field(30.0, ge=0)

@@ -39,6 +39,11 @@ async def open_table(
             async with connect(
                 url, answer_within=settings.redis_timeout
             ) as redis:  # a server, Sentinel, a Cluster
-                yield EpochTable(redis, tracer=tracer_from(tracing), ack_timeout=settings.ack_within)
+                yield EpochTable(
+                    redis,
+                    tracer=tracer_from(tracing),
+                    ack_timeout=settings.ack_within,
+                    log_kept=settings.change_log_length,
+                )
         except RedisError as exc:
             raise TableUnavailable(f"the epoch table's Redis failed: {exc}") from exc

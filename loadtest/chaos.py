@@ -760,13 +760,14 @@ class Run:
         elif op == "bump-cli":
             await self.kvgate("bump", tenant)
         elif op == "bump-eval":  # the text `kvgate script bump_epoch` prints, run by EVAL
-            args = (tenant, time.time_ns() // 1_000_000, keys.HINTS, keys.HISTORY_KEPT)
-            await self.redis.eval(self.bump_script, 2, keys.state(tenant), keys.history(tenant), *args)
+            args = (tenant, time.time_ns() // 1_000_000, keys.LOG_KEPT, keys.HISTORY_KEPT)
+            table_keys = (keys.state(tenant), keys.history(tenant), keys.LOG, keys.ROWS, keys.CHECK)
+            await self.redis.eval(self.bump_script, 5, *table_keys, *args)
         else:  # the README's exact redis-cli command
             script = str(self.work / "bump_epoch.lua")
             argv = ["redis-cli", "-p", str(self.redis_server.port), "--eval", script,
-                    keys.state(tenant), keys.history(tenant), ",", tenant, str(time.time_ns() // 1_000_000),
-                    keys.HINTS, str(keys.HISTORY_KEPT)]  # fmt: skip
+                    keys.state(tenant), keys.history(tenant), keys.LOG, keys.ROWS, keys.CHECK, ",", tenant,
+                    str(time.time_ns() // 1_000_000), str(keys.LOG_KEPT), str(keys.HISTORY_KEPT)]  # fmt: skip
             process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
             out, _ = await process.communicate()
             if process.returncode != 0 or not out.startswith(b"1\n"):

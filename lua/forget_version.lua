@@ -4,7 +4,7 @@ forget_version: drop every version record of DIGEST under one logical ID (any ba
 bytes that are gone: a rollback that ran first made DIGEST current (refused here, gc keeps the bytes); one
 that runs after finds no such version. Needs lua/lib/common.lua prepended (`kvgate script forget_version`).
 
-KEYS[1]  kvg:{ID}:state     KEYS[2] kvg:{ID}:versions
+KEYS[1]  kvg:{epochs}:state:ID     KEYS[2] kvg:{epochs}:versions:ID
 ARGV[1]  digest (64 hex)
 
 Returns {code, forgotten}:

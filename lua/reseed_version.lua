@@ -8,15 +8,16 @@ the ID since (a publish, a rollback, a bump: each moves the epoch off reseeded_e
 The kvgate passes only what it can prove: a version whose content-addressed store directory exists.
 Needs lua/lib/common.lua prepended (kvgate does; `kvgate script reseed_version` prints both).
 
-KEYS[1]  kvg:{ID}:state     KEYS[2] kvg:{ID}:versions     KEYS[3] kvg:{ID}:history
+KEYS[1]  kvg:{epochs}:state:ID     KEYS[2] kvg:{epochs}:versions:ID     KEYS[3] kvg:{epochs}:history:ID
+KEYS[4]  the change log      KEYS[5] its rows hash         KEYS[6] its check hash (lua/lib/common.lua)
 ARGV[1]  logical ID          ARGV[2] digest (64 hex)        ARGV[3] versioned name
 ARGV[4]  store path          ARGV[5] base identity          ARGV[6] the epoch the snapshot held
-ARGV[7]  now (ms)            ARGV[8] hint channel           ARGV[9] history length kept
+ARGV[7]  now (ms)            ARGV[8] log entries kept           ARGV[9] history length kept
 
 Returns {code, epoch}:
   CODE.CHANGED    re-seeded at epoch ARGV[6] (state.reseeded_epoch = it): a 'reseeded' history event
-                  and a hint
-  CODE.UNCHANGED  the ID has a version that stays (no write, no hint); epoch is its epoch
+                  and a change-log entry
+  CODE.UNCHANGED  the ID has a version that stays (no write, nothing logged); epoch is its epoch
 ]]
 local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[7]
 local epoch = tonumber(ARGV[6])
@@ -33,5 +34,5 @@ redis.call('HSET', KEYS[2], version_field(base, digest),
 redis.call('HSET', KEYS[1], 'digest', digest, 'name', name, 'path', path, 'base', base, 'epoch', epoch,
   'reseeded_epoch', epoch, 'updated_ms', now)
 append_history(KEYS[3], ARGV[9], epoch, digest, base, 'reseeded', now)
-redis.call('PUBLISH', ARGV[8], id)
+log_change(KEYS[1], KEYS[4], KEYS[5], KEYS[6], id, 'reseeded', ARGV[8])
 return {CODE.CHANGED, epoch}

@@ -3,16 +3,17 @@ rollback_version: point a logical ID back at an earlier version published for BA
 Only versions published for BASE are candidates: the same digest published for another base is another
 version. Needs lua/lib/common.lua prepended (kvgate does; `kvgate script rollback_version` prints both).
 
-KEYS[1]  kvg:{ID}:state     KEYS[2] kvg:{ID}:versions     KEYS[3] kvg:{ID}:history
+KEYS[1]  kvg:{epochs}:state:ID     KEYS[2] kvg:{epochs}:versions:ID     KEYS[3] kvg:{epochs}:history:ID
+KEYS[4]  the change log      KEYS[5] its rows hash         KEYS[6] its check hash (lua/lib/common.lua)
 ARGV[1]  logical ID
 ARGV[2]  target digest, or a unique prefix of one (at least ARGV[7] characters), or '' for the newest
          version of BASE in the history that is not the current one
 ARGV[3]  base identity BASE the rollback stays within
-ARGV[4]  now (ms)            ARGV[5] hint channel          ARGV[6] history length kept
+ARGV[4]  now (ms)            ARGV[5] log entries kept          ARGV[6] history length kept
 ARGV[7]  shortest digest prefix accepted (kvgate passes 8)
 
 Returns {code, epoch, digest}:
-  CODE.CHANGED             rolled back: the target is current under a new epoch (a hint was published)
+  CODE.CHANGED             rolled back: the target is current under a new epoch (logged)
   CODE.UNCHANGED           the target (same digest, same base) is already current
   CODE.NO_CURRENT_VERSION  the logical ID has no current version
   CODE.NO_SUCH_VERSION     no such version for BASE (never published for it, or none earlier to go back to)
@@ -61,5 +62,5 @@ local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'digest', target, 'name', version.name, 'path', version.path,
   'base', base, 'base_print', version.base_print or '', 'updated_ms', now)
 append_history(KEYS[3], ARGV[6], epoch, target, base, 'rollback', now)
-redis.call('PUBLISH', ARGV[5], id)
+log_change(KEYS[1], KEYS[4], KEYS[5], KEYS[6], id, 'rollback', ARGV[5])
 return {CODE.CHANGED, epoch, target}

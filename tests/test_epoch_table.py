@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -13,19 +14,17 @@ from redis.asyncio import Redis
 from gateway import cli
 from gateway.core.errors import BadRequest, EpochTableError, KvgateError, ModelNotFound, VersionNotFound
 from gateway.table import keys
-from gateway.table.epoch_table import (
-    LIB,
-    EpochTable,
-    _raise_for,
-    assemble_script,
-    codes,
-    lib_source,
-    lua_dir,
-    parse_codes,
-)
+from gateway.table.epoch_table import EpochTable, _raise_for
+from gateway.table.scripts import LIB, assemble_script, codes, lib_source, lua_dir, parse_codes
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 BASE = "base"
+
+
+async def logged(redis: Redis) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The change log's entries (id, fields), oldest first."""
+    entries: Any = await redis.xrange(keys.LOG)
+    return list(entries)
 
 
 async def publish(table: EpochTable, digest: str, base: str = BASE) -> tuple[bool, int]:
@@ -246,8 +245,8 @@ async def test_kvgate_script_prints_what_redis_runs_as_is(
     assert cli.main(["script", "bump_epoch"]) == 0
     text = capsys.readouterr().out
     assert text == assemble_script("bump_epoch")
-    operator_keys = [keys.state("tenant-42"), keys.history("tenant-42")]
-    code, epoch = await redis.eval(text, 2, *operator_keys, "tenant-42", "1700000000000", keys.HINTS, "100")
+    operator_keys = [keys.state("tenant-42"), keys.history("tenant-42"), keys.LOG, keys.ROWS, keys.CHECK]
+    code, epoch = await redis.eval(text, 5, *operator_keys, "tenant-42", "1700000000000", "10000", "100")
     assert (code, epoch) == (codes()["CHANGED"], 2)
     newest = (await table.read_history("tenant-42"))[0]
     assert (newest["action"], newest["epoch"], newest["base"]) == ("bump", 2, BASE)
@@ -256,31 +255,44 @@ async def test_kvgate_script_prints_what_redis_runs_as_is(
     assert refused.value.code == 2
 
 
-async def test_mutations_publish_hints(table: EpochTable, redis: Redis) -> None:
+async def test_mutations_are_logged_and_replica_changes_hinted(table: EpochTable, redis: Redis) -> None:
     pubsub = redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(keys.HINTS)
     await publish(table, D1)
     await table.bump("tenant-42")
-    await publish(table, D1)  # unchanged: no hint
+    await publish(table, D1)  # unchanged: nothing logged
     await table.record_loaded("http://r1", {"tenant-42@x": "/store/x"}, ttl_ms=5000)
     await table.record_loaded("http://r1", {"tenant-42@x": "/store/x"}, ttl_ms=5000)  # same set: no hint
-    hints: list[bytes] = []
     async with asyncio.timeout(5):
-        while len(hints) < 3:
+        message = None
+        while message is None:
             message = await pubsub.get_message(timeout=1.0)
-            if message:
-                hints.append(message["data"])
-    assert hints == [b"tenant-42", b"tenant-42", b"replica:http://r1"]
-    assert await pubsub.get_message(timeout=0.3) is None
+    assert message["data"] == b"replica:http://r1"
+    assert await pubsub.get_message(timeout=0.3) is None  # the table's changes go to the log, not here
     await pubsub.aclose()  # type: ignore[no-untyped-call]
+    entries = await logged(redis)
+    assert [(e[b"id"], e[b"action"], e[b"epoch"]) for _, e in entries] == [
+        (b"tenant-42", b"publish", b"1"),
+        (b"tenant-42", b"bump", b"2"),
+    ]
+    assert entries[-1][1][b"digest"] == D1.encode()  # an entry carries the state the change left
+    assert await redis.hget(keys.CHECK, "last") == entries[-1][0]
 
 
-async def test_all_keys_of_an_id_share_one_cluster_slot(table: EpochTable, redis: Redis) -> None:
+async def test_the_table_shares_one_cluster_slot_and_a_lock_keeps_its_ids(
+    table: EpochTable, redis: Redis
+) -> None:
     await publish(table, D1)
     await table.acquire_load_lock("tenant-42", "tenant-42@x", "http://r1", "tok", 5000)
-    per_id = [k.decode() for k in await redis.keys("kvg:{tenant-42}:*") if isinstance(k, bytes)]
-    assert len(per_id) == 4
-    assert {k.split("}")[0] for k in per_id} == {"kvg:{tenant-42"}
+    table_keys = {k.decode() for k in await redis.keys(f"{keys.TABLE}:*") if isinstance(k, bytes)}
+    assert table_keys == {
+        keys.state("tenant-42"), keys.versions("tenant-42"), keys.history("tenant-42"), keys.IDS,
+        keys.GENERATION, keys.LOG, keys.ROWS, keys.CHECK,
+    }  # fmt: skip
+    assert all(key.startswith("kvg:{epochs}:") for key in table_keys)
+    assert await redis.keys("kvg:{tenant-42}:*") == [
+        keys.load_lock("tenant-42", "tenant-42@x", "http://r1").encode()
+    ]
 
 
 async def test_load_lock_is_single_owner(table: EpochTable) -> None:

@@ -53,7 +53,7 @@ def test_installed_wheel_assembles_every_script(wheel: Path, tmp_path: Path) -> 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
-        "import json, gateway.table.epoch_table as e\n"
+        "import json, gateway.table.scripts as e\n"
         "print(json.dumps({'dir': str(e.lua_dir()), 'codes': dict(e.codes()),\n"
         "                  'scripts': {n: e.assemble_script(n) for n in e.operation_names()}}))\n"
     )

@@ -1,9 +1,8 @@
 """The shared epoch table in Redis: one thin typed wrapper over the Lua scripts in ``lua/``.
 
-Every mutation is one script (atomic, one Cluster slot, publishes a hint). Each operation
-``lua/NAME.lua`` runs with ``lua/lib/common.lua`` prepended (``assemble_script``; ``kvgate script NAME``
-prints the same text for ``redis-cli --eval``). The status codes are the lib's ``CODE`` table, which
-``codes()`` reads from that same file; ``_raise_for`` is the one place that maps them to exceptions.
+Every mutation is one script (atomic, one Cluster slot, logged: changelog.py), assembled by
+``table.scripts`` (``lua/lib/common.lua`` prepended). ``_raise_for`` is the one place that maps the
+scripts' status codes (the lib's ``CODE`` table) to exceptions.
 ``now`` is passed in (ms) so tests control time.
 
 The table runs on any ``RedisClient`` (one server, Sentinel-managed, or a Cluster: every script's keys
@@ -15,17 +14,11 @@ failover; if none acknowledges within ``ack_timeout`` the change stands and a wa
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
-import re
 import secrets
 import time
-import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from importlib import resources
-from importlib.resources.abc import Traversable
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis.exceptions
@@ -36,6 +29,7 @@ from gateway.core.errors import BadRequest, EpochTableError, ModelNotFound, Vers
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.table.connection import RedisClient, write_acked
+from gateway.table.scripts import assemble_script, codes, operation_names
 from gateway.telemetry import tracing as attr
 
 log = logging.getLogger(__name__)
@@ -47,76 +41,15 @@ REDIS_DOWN = (
     OSError,
 )
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
+READ_PAGE = 1_000  # IDs per page of a full read
+PREFIX_MIN = keys.DIGEST_PREFIX_MIN
+LOGGED = (keys.LOG, keys.ROWS, keys.CHECK)  # the change log's keys, declared by every logged script
 ACK_TIMEOUT = 1.0
 """Seconds a publish, rollback or bump waits for a Redis replica's acknowledgement, by default."""
 
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def lua_dir() -> Traversable:
-    """``lua/`` beside the package in a source tree; ``gateway/lua`` inside an installed wheel."""
-    source_tree = Path(__file__).resolve().parents[2] / "lua"
-    if source_tree.is_dir():
-        return source_tree
-    return resources.files("gateway.lua")
-
-
-LIB = ("lib", "common.lua")
-"""Prepended to every operation: the CODE table and the helpers the scripts share (not an operation)."""
-
-
-def lib_source() -> str:
-    folder, name = LIB  # one joinpath a step: an installed gateway.lua is a namespace package's path
-    return lua_dir().joinpath(folder).joinpath(name).read_text()
-
-
-def operation_names() -> list[str]:
-    """Every operation script: each ``lua/*.lua`` (the lib lives in a subfolder)."""
-    return sorted(
-        entry.name.removesuffix(".lua")
-        for entry in lua_dir().iterdir()
-        if entry.is_file() and entry.name.endswith(".lua")
-    )
-
-
-def assemble_script(name: str) -> str:
-    """The self-contained text Redis runs for operation NAME: the lib, then ``lua/NAME.lua``."""
-    if name not in operation_names():
-        raise BadRequest(f"no epoch table script {name!r}; one of {', '.join(operation_names())}")
-    operation = lua_dir().joinpath(f"{name}.lua").read_text()
-    banner = f"-- kvgate script {name}: lua/{'/'.join(LIB)}, then lua/{name}.lua\n"
-    return f"{banner}{lib_source()}\n{operation}"
-
-
-_CODE_TABLE = re.compile(r"^local CODE = \{\n(?P<body>.*?)^\}", re.MULTILINE | re.DOTALL)
-_CODE_ENTRY = re.compile(r"(?P<name>[A-Z][A-Z_]*)\s*=\s*(?P<value>-?\d+)\s*,?")
-
-
-def parse_codes(lua: str) -> Mapping[str, int]:
-    """The ``local CODE = {NAME = number, ...}`` table of the lib, one entry a line (``--`` comments)."""
-    table = _CODE_TABLE.search(lua)
-    if table is None:
-        raise EpochTableError("the Lua lib has no `local CODE = {...}` table")
-    found: dict[str, int] = {}
-    for line in table["body"].splitlines():
-        text = line.split("--", 1)[0].strip()
-        if not text:
-            continue
-        entry = _CODE_ENTRY.fullmatch(text)
-        if entry is None or entry["name"] in found:
-            raise EpochTableError(f"cannot read Lua CODE entry {text!r}")
-        found[entry["name"]] = int(entry["value"])
-    if len(set(found.values())) != len(found):
-        raise EpochTableError(f"Lua CODE values are not distinct: {found}")
-    return types.MappingProxyType(found)
-
-
-@functools.cache
-def codes() -> Mapping[str, int]:
-    """The scripts' status codes by name, read from the lib (the one place they are written)."""
-    return parse_codes(lib_source())
 
 
 class EpochTable:
@@ -127,8 +60,10 @@ class EpochTable:
         clock: Clock = wall_clock_ms,
         tracer: Tracer | None = None,
         ack_timeout: float = ACK_TIMEOUT,
+        log_kept: int = keys.LOG_KEPT,
     ) -> None:
         self.redis = redis
+        self.log_kept = log_kept  # change-log entries kept (XADD MAXLEN ~)
         self.clock = clock
         self.tracer = tracer or NoOpTracer()
         self.ack_timeout = ack_timeout
@@ -193,8 +128,18 @@ class EpochTable:
         await self._acked(("SADD", keys.IDS, logical_id), keys.IDS, f"adding {logical_id!r} to {keys.IDS}")
         code, epoch = await self._run_acked(
             "publish_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, name, path, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, base_print],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [
+                logical_id,
+                digest,
+                name,
+                path,
+                base,
+                self.clock(),
+                self.log_kept,
+                keys.HISTORY_KEPT,
+                base_print,
+            ],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=digest)
@@ -210,8 +155,8 @@ class EpochTable:
     async def _rollback(self, logical_id: str, digest: str, base: str) -> Change:
         code, epoch, target = await self._run_acked(
             "rollback_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, base, self.clock(), keys.HINTS, keys.HISTORY_KEPT, keys.DIGEST_PREFIX_MIN],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, base, self.clock(), self.log_kept, keys.HISTORY_KEPT, PREFIX_MIN],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=_text(target))
@@ -225,8 +170,8 @@ class EpochTable:
     async def _bump(self, logical_id: str) -> Change:
         code, epoch = await self._run_acked(
             "bump_epoch",
-            [keys.state(logical_id), keys.history(logical_id)],
-            [logical_id, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, self.clock(), self.log_kept, keys.HISTORY_KEPT],
         )
         _raise_for(int(code), logical_id, "")
         return Change(changed=True, epoch=int(epoch))
@@ -239,8 +184,8 @@ class EpochTable:
         await self.redis.sadd(keys.IDS, logical_id)
         code, current = await self.run(
             "reseed_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)],
-            [logical_id, digest, name, path, base, epoch, self.clock(), keys.HINTS, keys.HISTORY_KEPT],
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, name, path, base, epoch, self.clock(), self.log_kept, keys.HISTORY_KEPT],
         )
         _raise_for(int(code), logical_id, digest, base)
         return Change(changed=int(code) == codes()["CHANGED"], epoch=int(current), digest=digest)
@@ -275,25 +220,23 @@ class EpochTable:
         """Whether DIGEST was ever published (or re-seeded) for BASE under LOGICAL_ID."""
         return bool(await self.redis.hexists(keys.versions(logical_id), keys.version_field(base, digest)))
 
-    async def read_all(self) -> TableView:
-        """Every current version, all of one generation: a read the table was emptied under is read again
-        (else it would show the old generation with no IDs, and the snapshot would forget them all)."""
+    async def read_all(self, page: int = READ_PAGE) -> TableView:
+        """Every current version, all of one generation, a page at a time (lua/read_page.lua: SSCAN COUNT
+        PAGE and the page's state hashes in one bounded reply): a read the table was emptied under is read
+        again (else it would show the old generation with no IDs, and the snapshot would forget them)."""
         while True:
-            generation = await self.ensure_generation()
-            ids = sorted(_text(i) for i in await self.redis.smembers(keys.IDS))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for logical_id in ids:
-                    pipe.hgetall(keys.state(logical_id))
-                pipe.get(keys.GENERATION)
-                *raws, after = await pipe.execute()
-            if after is not None and _text(after) == generation:
-                break
-        states = {}
-        for logical_id, raw in zip(ids, raws, strict=True):
-            state = _parse_state(logical_id, raw)
-            if state is not None:
-                states[logical_id] = state
-        return TableView(generation, states)
+            generation, cursor = await self.ensure_generation(), "0"
+            states: dict[str, VersionState] = {}
+            while True:
+                cursor, rows = await self.run("read_page", [keys.IDS], [cursor, page, keys.STATE_PREFIX])
+                for logical_id, fields in json.loads(rows):
+                    raw = {name.encode(): value.encode() for name, value in fields.items()}
+                    if (state := _parse_state(logical_id, raw)) is not None:
+                        states[logical_id] = state
+                if (cursor := _text(cursor)) == "0":
+                    break
+            if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
+                return TableView(generation, states)
 
     async def read_history(self, logical_id: str) -> list[dict[str, Any]]:
         raw = await self.redis.lrange(keys.history(logical_id), 0, -1)

@@ -1,6 +1,6 @@
 """Reading a logical ID's published versions, and forgetting one (for ``kvgate gc``).
 
-``kvg:{ID}:versions`` maps ``BASE|DIGEST`` to a JSON record ({name, path, base, published_ms}, and
+``kvg:{epochs}:versions:ID`` maps ``BASE|DIGEST`` to a JSON record ({name, path, base, published_ms}, and
 whatever a newer kvgate adds: kept in ``extra``); a digest is always 64 hex, so the base is the rest.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from gateway.core.errors import EpochTableError
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, codes
+from gateway.table.epoch_table import EpochTable
+from gateway.table.scripts import codes
 
 _DIGEST_LENGTH = 64
 

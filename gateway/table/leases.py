@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, codes
+from gateway.table.epoch_table import EpochTable
+from gateway.table.scripts import codes
 
 
 @dataclass(frozen=True, slots=True)

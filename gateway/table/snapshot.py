@@ -1,27 +1,36 @@
 """Each kvgate's local copy of the epoch table: the hot path reads this, never Redis.
 
-``SnapshotSync`` keeps it fresh two ways: a pub/sub listener re-reads one logical ID per hint, and a
-periodic full reconcile (default 1 s) replaces everything, catching hints that were missed or
-mutations made straight through Redis. When the Redis connection drops, the snapshot is marked
-``flushed``: it keeps serving what it had (a versioned name always means the same bytes, so a lagging
-snapshot serves the previous version coherently, never a mix) and is rebuilt wholesale, not patched,
-as soon as Redis answers again. A new table generation (Redis came back empty) also rebuilds it, after
-the ``Reseeder`` (reseed.py) has written back what the snapshot held and can prove.
+``SnapshotSync`` keeps it fresh from the change log (changelog.py): one full read at start (paged),
+then it follows ``kvg:{epochs}:log`` with ``XREAD BLOCK`` from the last entry it applied, so its work
+grows with the changes, not with the table. A heartbeat every ``interval`` runs lua/heartbeat.lua: a new
+generation (Redis came back empty) or a checksum that disagrees with the snapshot, once it has read the
+log up to the newest entry, triggers a full read; so does a position that fell off the trimmed log.
+Writes that bypass the scripts reach it as 'drift' entries the shared scrub logs. When the Redis
+connection drops, the snapshot is marked ``flushed``: it keeps serving what it had (a versioned name
+always means the same bytes, so a lagging snapshot serves the previous version coherently, never a mix),
+and when Redis answers again it catches up from the log, or reads in full if the log no longer reaches
+back that far. A new table generation rebuilds it, after the ``Reseeder`` (reseed.py) has written back
+what the snapshot held and can prove. Pub/sub stays for one thing: replica hints (another kvgate saw a
+replica's loaded adapters change), whose keys live outside the table's slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
+from gateway.table.changelog import START, Beat, ChangeLog, Entry, row_hash
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 from gateway.table.reseed import Reseeder
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,10 @@ class Snapshot:
     def __init__(self, on_epoch_change: Callable[[str], None] = lambda logical_id: None) -> None:
         self.on_epoch_change = on_epoch_change
         self.generation = ""
+        self.position = ""
+        """The newest change-log entry applied ('' before the first full read)."""
+        self.checksum = 0
+        """The sum of ``row_hash`` over what it holds: the table's check sum when both agree."""
         self._states: dict[str, VersionState] = {}
         self.retired: dict[str, float] = {}
         """Versioned names that stopped being current, with the monotonic time they did."""
@@ -45,7 +58,10 @@ class Snapshot:
     def current_names(self) -> set[str]:
         return {state.name for state in self._states.values()}
 
-    def replace(self, view: TableView) -> None:
+    def size(self) -> int:
+        return len(self._states)
+
+    def replace(self, view: TableView, position: str = START) -> None:
         new_table = bool(self.generation) and view.generation != self.generation
         gone = self._states.keys() if new_table else self._states.keys() - view.states.keys()
         for logical_id in list(gone):  # a new generation (Redis came back empty): nothing carries over
@@ -56,11 +72,13 @@ class Snapshot:
             for logical_id in view.states:
                 self.on_epoch_change(logical_id)
         self.generation = view.generation
+        self.position = position
         self.refreshed_at = time.monotonic()
         self.flushed = False
 
     def put(self, logical_id: str, state: VersionState | None) -> None:
         previous = self._states.get(logical_id)
+        self.checksum += (row_hash(state) if state else 0) - (row_hash(previous) if previous else 0)
         if previous is not None and (state is None or previous.name != state.name):
             self._retire(previous)
         if state is None:
@@ -79,7 +97,19 @@ class Snapshot:
 
 
 ReplicaHint = Callable[[str], Awaitable[None]]
-LISTEN_RETRY_S = 0.5  # a dropped hint subscription is retried this soon, whatever the reconcile interval
+LISTEN_RETRY_S = 0.5  # a dropped log read or hint subscription is retried this soon
+BLOCK_S = 2.0  # the longest one XREAD BLOCK waits (less with a short socket timeout: longest_block)
+
+
+@dataclass
+class SyncCounts:
+    """What the sync did since it started (tests and the scale loadtest read these)."""
+
+    full_reads: collections.Counter[str] = field(default_factory=collections.Counter)
+    """By reason: start, generation, trimmed (the position fell off the log), checksum."""
+    heartbeats: int = 0
+    entries: int = 0  # change-log entries applied
+    drift: int = 0  # of them, 'drift' entries: the scrub saw a write that bypassed the scripts
 
 
 class SnapshotSync:
@@ -91,45 +121,121 @@ class SnapshotSync:
         interval: float,
         reseeder: Reseeder | None = None,
         on_replica_hint: ReplicaHint | None = None,
+        block: float = BLOCK_S,
+        scrub_page: int = keys.SCRUB_PAGE,
+        metrics: Metrics | None = None,
     ) -> None:
         self.table = table
+        self.log = ChangeLog(table, scrub_page=scrub_page)
         self.snapshot = snapshot
         self.interval = interval
+        """Seconds between heartbeats (and between the shared scrub's steps)."""
+        self.block = self.log.longest_block(block)
         self.reseeder = reseeder
         self.on_replica_hint = on_replica_hint
         """Called with a replica's URL when some kvgate saw its loaded adapters change."""
-        self._reading = asyncio.Lock()  # the listener and the periodic loop both reconcile: one at a time
+        self.counts = SyncCounts()
+        self.metrics = metrics
+        self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
+        self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
         self._hinted: dict[str, asyncio.Task[None]] = {}  # replica URL -> its hinted refresh, running
         self._hinted_again: set[str] = set()  # hinted again while its refresh ran: one more refresh
 
-    async def reconcile(self) -> None:
+    async def reconcile(self, reason: str = "start") -> None:
+        """A full read (paged), then follow the log from the newest entry before it."""
         async with self._reading:
-            view = await self.table.read_all()
-            new_table = bool(self.snapshot.generation) and view.generation != self.snapshot.generation
-            if new_table and self.reseeder and await self.reseeder.reseed(self.snapshot, view.generation):
-                view = await self.table.read_all()  # with what was re-seeded
-            self.snapshot.replace(view)
+            await self._full_read(reason)
+
+    async def _full_read(self, reason: str) -> None:
+        self.counts.full_reads[reason] += 1
+        if self.metrics is not None:
+            self.metrics.full_reads.labels(reason).inc()
+        if reason != "start":
+            log.warning("reading the epoch table in full: %s", reason)
+        position = await self.log.head()
+        view = await self.table.read_all()
+        new_table = bool(self.snapshot.generation) and view.generation != self.snapshot.generation
+        if new_table and self.reseeder and await self.reseeder.reseed(self.snapshot, view.generation):
+            position = await self.log.head()
+            view = await self.table.read_all()  # with what was re-seeded
+        self.snapshot.replace(view, position)
 
     async def run(self) -> None:
-        """Run until cancelled: the hint listener and the periodic reconcile side by side."""
+        """Run until cancelled: the log follower, the heartbeat and (with a hook) the replica hints."""
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._reconcile_forever())
-            group.create_task(self._listen_forever())
+            group.create_task(self._forever(LISTEN_RETRY_S, self._follow))
+            group.create_task(self._forever(self.interval, self.heartbeat))
+            if self.on_replica_hint is not None:
+                group.create_task(self._forever(LISTEN_RETRY_S, self._listen))
 
-    async def _reconcile_forever(self) -> None:
-        await periodically(self.interval, self.reconcile, survive=REDIS_DOWN, on_error=self._dropped)
-
-    async def _listen_forever(self) -> None:
-        await periodically(LISTEN_RETRY_S, self._listen, survive=REDIS_DOWN, on_error=self._dropped)
+    async def _forever(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
+        await periodically(interval, step, survive=REDIS_DOWN, on_error=self._dropped)
 
     def _dropped(self, exc: Exception) -> None:
         if not self.snapshot.flushed:
             log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)
         self.snapshot.flushed = True
 
+    async def heartbeat(self) -> None:
+        """Compare the snapshot with the table's check; a new generation or a mismatch reads it in full."""
+        beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
+        self.counts.heartbeats += 1
+        async with self._reading:
+            if not self.snapshot.position:
+                await self._full_read("start")
+            elif beat.generation != self.snapshot.generation and not self.snapshot.generation:
+                self.snapshot.generation = beat.generation  # the table was made after an empty read: logged
+            elif beat.generation != self.snapshot.generation:
+                await self._full_read("generation")
+            elif self._disagrees(beat):
+                self._checked_at = beat.last
+                await self._full_read("checksum")
+            self.snapshot.flushed = False
+            self.snapshot.refreshed_at = time.monotonic()
+
+    def _disagrees(self, beat: Beat) -> bool:
+        """The snapshot has read the log up to the table's newest entry, yet holds other rows. Once a full
+        read at that position disagrees too, the table itself was written past the scripts: the scrub
+        logs that as drift, so no second full read."""
+        caught_up = beat.last == self.snapshot.position
+        return caught_up and beat.checksum != self.snapshot.checksum and self._checked_at != beat.last
+
+    async def _follow(self) -> None:
+        """Apply the log's entries as they come, from the snapshot's position."""
+        while True:
+            raise_if_cancelling()
+            if self.snapshot.flushed:  # start, or Redis answers again: its generation first
+                await self.heartbeat()
+            position = self.snapshot.position
+            entries = await self.log.read(position, block_ms=int(self.block * 1000))
+            if not entries:
+                continue
+            async with self._reading:
+                if position != self.snapshot.position:
+                    continue  # a full read moved it meanwhile: read on from there
+                if await self.log.trimmed_past(position):
+                    log.warning("the change log was trimmed past this snapshot's position %s", position)
+                    await self._full_read("trimmed")
+                    continue
+                for entry in entries:
+                    self._apply(entry)
+
+    def _apply(self, entry: Entry) -> None:
+        self.counts.entries += 1
+        if self.metrics is not None:
+            self.metrics.log_entries.labels(entry.action).inc()
+        self.snapshot.position = entry.position
+        held = self.snapshot.get(entry.logical_id)
+        if entry.action == "drift":
+            self.counts.drift += 1
+            log.warning("epoch table: %s was changed outside kvgate's scripts", entry.logical_id)
+        elif held is not None and entry.state is not None and entry.state.epoch < held.epoch:
+            return  # older than what a full read already showed
+        self.snapshot.put(entry.logical_id, entry.state)
+
     def _refresh_replica(self, url: str) -> None:
         """Act on a replica hint beside the listener, never inside it: a replica slow to list its adapters
-        must not hold back the table's hints. One refresh per replica at a time; a hint arriving during it
+        must not hold back the next hint. One refresh per replica at a time; a hint arriving during it
         asks for one more."""
         if url in self._hinted:
             self._hinted_again.add(url)
@@ -156,16 +262,13 @@ class SnapshotSync:
         pubsub = self.table.redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(keys.HINTS)
-            await self.reconcile()  # hints sent before the subscription are covered by a full read
             while True:
                 raise_if_cancelling()
                 message = await pubsub.get_message(timeout=1.0)
                 if message is None:
                     continue
                 hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                if not hint.startswith(keys.REPLICA_HINT_PREFIX):
-                    self.snapshot.put(hint, await self.table.read_state(hint))
-                elif self.on_replica_hint is not None:
+                if hint.startswith(keys.REPLICA_HINT_PREFIX):
                     self._refresh_replica(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
         finally:
             for task in self._hinted.values():

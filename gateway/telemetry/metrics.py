@@ -112,9 +112,22 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.full_reads = Counter(
+            "kvgate_table_full_reads",
+            "Full reads of the epoch table by reason: start, generation, trimmed (fell off the change log), "
+            "checksum (the heartbeat's checksum disagreed)",
+            ["reason"],
+            registry=r,
+        )
+        self.log_entries = Counter(
+            "kvgate_table_log_entries",
+            "Change-log entries applied to the snapshot, by action (drift: a write past the scripts)",
+            ["action"],
+            registry=r,
+        )
         self.staleness = Gauge(
             "kvgate_snapshot_staleness_seconds",
-            "Seconds since the last full read of the epoch table",
+            "Seconds since the snapshot was last confirmed current (a full read or a heartbeat)",
             registry=r,
         )
         self.audits = self._counter_by_id(

@@ -7,8 +7,8 @@ CODE is the one table of status codes. The Python wrapper reads it from this fil
 (gateway/table/epoch_table.py) to map codes to exceptions, so a code is written down only here.
 ]]
 local CODE = {
-  CHANGED = 1,             -- the write happened (a hint was published)
-  UNCHANGED = 0,           -- already so: no write, no hint
+  CHANGED = 1,             -- the write happened (and was logged)
+  UNCHANGED = 0,           -- already so: no write, nothing logged
   NO_CURRENT_VERSION = -1, -- the logical ID has no current version
   NO_SUCH_VERSION = -2,    -- never published for this base, or no earlier version to go back to
   AMBIGUOUS_PREFIX = -3,   -- a digest prefix matches more than one version
@@ -70,4 +70,43 @@ local function append_history(key, keep, epoch, digest, base, action, now)
   redis.call('LPUSH', key, cjson.encode({epoch = epoch, digest = digest, base = base, action = action,
     at_ms = tonumber(now)}))
   redis.call('LTRIM', key, 0, tonumber(keep) - 1)
+end
+
+-- The change log. A row is what a kvgate's snapshot holds of one logical ID; its hash is 40 bits of a
+-- SHA-1 (gateway/table/changelog.py's row_hash computes the same), 0 when the ID has no state. Sums of
+-- 40-bit rows fit a 64-bit HINCRBY for millions of IDs.
+local function row_hash(id, digest, epoch, base, name, path, base_print)
+  if not digest then
+    return 0
+  end
+  local text = table.concat({id, digest, epoch or '', base or '', name or '', path or '', base_print or ''}, '\n')
+  return tonumber(string.sub(redis.sha1hex(text), 1, 10), 16)
+end
+
+-- After a change to ID's state hash STATE: append one entry to the stream LOG (id, action, then the state
+-- as it stands now; no state fields when it is gone), trimmed to about KEEP entries, and keep ROWS (ID ->
+-- row hash) and CHECK (sum of the rows; last: the newest entry's id) in step. Returns the entry's id.
+local function log_change(state, log, rows, check, id, action, keep)
+  local fields = redis.pcall('HGETALL', state)
+  if fields.err then
+    fields = {}  -- not a hash (a direct write of another type): logged as no state
+  end
+  local entry = {'XADD', log, 'MAXLEN', '~', keep, '*', 'id', id, 'action', action}
+  local row = {}
+  for i = 1, #fields, 2 do
+    entry[#entry + 1] = fields[i]
+    entry[#entry + 1] = fields[i + 1]
+    row[fields[i]] = fields[i + 1]
+  end
+  local new = row_hash(id, row.digest, row.epoch, row.base, row.name, row.path, row.base_print)
+  local old = tonumber(redis.call('HGET', rows, id) or '0')
+  if new == 0 then
+    redis.call('HDEL', rows, id)
+  else
+    redis.call('HSET', rows, id, string.format('%d', new))
+  end
+  redis.call('HINCRBY', check, 'sum', string.format('%d', new - old))
+  local at = redis.call(unpack(entry))
+  redis.call('HSET', check, 'last', at)
+  return at
 end

@@ -1,0 +1,117 @@
+"""The change log and the table check, read side: what a kvgate follows instead of re-reading the table.
+
+Every script that changes a current version appends one entry to the stream ``kvg:{epochs}:log`` in the
+same script (``log_change`` in lua/lib/common.lua): the logical ID, the action, and the state hash as the
+change left it, so applying an entry needs no further read. ``ChangeLog.read`` follows it from a position
+(``XREAD BLOCK``); ``trimmed_past`` says whether entries after a position were trimmed away (``XINFO
+STREAM``), which only a full read can make up for. ``heartbeat`` runs
+lua/heartbeat.lua: the table's generation, the sum of its row hashes and the newest entry's id, and
+one step of the shared scrub that turns direct edits into 'drift' entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import redis.exceptions
+
+from gateway.core.model import VersionState
+from gateway.table import keys
+from gateway.table.epoch_table import EpochTable, _parse_state
+
+START = "0-0"  # the position before the first entry
+
+
+def row_hash(state: VersionState) -> int:
+    """40 bits of a SHA-1 of what a snapshot holds of an ID (lua/lib/common.lua's ``row_hash``)."""
+    fields = (state.logical_id, state.digest, str(state.epoch), state.base, state.name, state.path,
+              state.base_print)  # fmt: skip
+    return int(hashlib.sha1("\n".join(fields).encode()).hexdigest()[:10], 16)
+
+
+def entry_id(position: str) -> tuple[int, int]:
+    """A stream entry id ``MS-SEQ`` as a tuple that orders like the stream."""
+    ms, _, seq = position.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True)
+class Entry:
+    position: str
+    logical_id: str
+    action: str  # publish, rollback, bump, reseeded, drift (the scrub saw a write that bypassed the scripts)
+    state: VersionState | None  # the ID's state as the change left it; None: it has none
+
+
+@dataclass(frozen=True)
+class Beat:
+    generation: str  # '' when the table has none (Redis came back empty)
+    checksum: int  # the sum of every ID's row hash, as the scripts last logged them
+    last: str  # the newest entry's id (START before the first)
+
+
+class ChangeLog:
+    def __init__(self, table: EpochTable, *, scrub_page: int = keys.SCRUB_PAGE) -> None:
+        self.table = table
+        self.redis = table.redis
+        self.scrub_page = scrub_page
+
+    async def head(self) -> str:
+        """The newest entry's id: a full read that starts after this call follows the log from it."""
+        last = await self.redis.hget(keys.CHECK, "last")
+        return _text(last) if last is not None else START
+
+    def longest_block(self, wanted: float) -> float:
+        """WANTED seconds, or less: half the client's socket timeout (a longer XREAD BLOCK would time out)."""
+        pool = getattr(self.redis, "connection_pool", None)
+        options = pool.connection_kwargs if pool is not None else getattr(self.redis, "connection_kwargs", {})
+        timeout = options.get("socket_timeout")
+        return wanted if timeout is None else min(wanted, timeout / 2)
+
+    async def read(self, position: str, *, block_ms: int, count: int = 1_000) -> list[Entry]:
+        """The entries after POSITION, waiting up to BLOCK_MS for the first one (none: an empty list)."""
+        answer: Any = await self.redis.xread({keys.LOG: position}, count=count, block=block_ms)
+        if not answer:
+            return []
+        (_, entries), *_ = answer.items() if isinstance(answer, dict) else answer
+        return [_entry(_text(at), fields) for at, fields in entries]
+
+    async def trimmed_past(self, position: str) -> bool:
+        """Whether entries after POSITION may have been trimmed from the log (``XINFO STREAM``): its first
+        entry is newer than POSITION (conservative: also when only POSITION itself went, a reader about
+        ``LOG_KEPT`` entries behind), or, from the START, anything was ever trimmed."""
+        try:
+            info = await self.redis.xinfo_stream(keys.LOG)
+        except redis.exceptions.ResponseError as exc:  # no such key: the log is gone (Redis came back
+            if "no such key" in str(exc).lower():  # empty, or someone deleted it)
+                return position != START
+            raise
+        if position == START:
+            return int(info["entries-added"]) > int(info["length"])
+        first = info.get("first-entry")
+        return first is not None and entry_id(_text(first[0])) > entry_id(position)
+
+    async def heartbeat(self, scrub_every_ms: int) -> Beat:
+        generation, checksum, last = await self.table.run(
+            "heartbeat",
+            [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
+            [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
+        )
+        return Beat(_text(generation), int(checksum), _text(last))
+
+
+def _entry(position: str, raw: dict[Any, Any]) -> Entry:
+    fields = {_bytes(name): _bytes(value) for name, value in raw.items()}
+    logical_id = fields.pop(b"id").decode()
+    action = fields.pop(b"action").decode()
+    return Entry(position, logical_id, action, _parse_state(logical_id, fields))
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
