@@ -68,6 +68,8 @@ class Canary:
     async def run_round(self) -> None:
         if self.snapshot.flushed:
             return
+        current = self.snapshot.current_names()  # a retired version's fingerprint is never needed again
+        self._fingerprints = {name: s for name, s in self._fingerprints.items() if name in current}
         now = time.monotonic()
         for logical_id, last_seen in list(self.activity.items()):
             if now - last_seen > ACTIVE_WINDOW_S:
