@@ -218,29 +218,25 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
     store = tmp_path / "store"
     v1 = await publish("canary", fixture_dir / "adapters" / "v1", redis_server, store)
     good, bad = vllm_replicas
-    async with make_gateway(**FAST, canary_interval=0.5) as gateway:
+    pin = {PIN_HEADER: good.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+    async with make_gateway(**FAST) as loader:  # no canary yet: it would read the store while it is swapped
+        await complete(http, loader.url, "canary", "p", max_tokens=1, headers=pin)  # v1 on the good one
+    path = Path(v1["path"])  # other bytes at the very path the bad replica loads from, then put back
+    saved = swap_bytes(path, fixture_dir / "adapters" / "v2")
+    try:
+        await post_json(
+            http, f"{bad.url}/v1/load_lora_adapter", {"lora_name": v1["name"], "lora_path": v1["path"]}
+        )
+    finally:
+        swap_back(path, saved)
+    async with make_gateway(**FAST, canary_interval=0.5) as gateway:  # both list v1 from its store path
         registry = gateway.metrics.registry
 
         def verdicts(replica: VllmProcess, verdict: str) -> float:
             labels = {"logical_id": "canary", "replica": replica.url, "verdict": verdict}
             return registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0
 
-        pin = {PIN_HEADER: good.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
-        await complete(
-            http, gateway.url, "canary", "p", max_tokens=1, headers=pin
-        )  # loads v1 on the good one
-
-        async def fingerprinted() -> bool:
-            return verdicts(good, "coherent") >= 1
-
-        await eventually(fingerprinted, "the canary fingerprints v1 from the good replica", within=120)
-        path = Path(v1["path"])  # other bytes at the very path the bad replica loads from, then put back
-        saved = swap_bytes(path, fixture_dir / "adapters" / "v2")
-        try:
-            await complete(http, gateway.url, "canary", "p", max_tokens=1,
-                           headers={PIN_HEADER: bad.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN})  # fmt: skip
-        finally:
-            swap_back(path, saved)
+        await complete(http, gateway.url, "canary", "p", max_tokens=1, headers=pin)  # the ID is active
 
         async def caught() -> bool:
             return verdicts(bad, "replica-mismatch") >= 1
