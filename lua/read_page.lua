@@ -7,7 +7,7 @@ KEYS[1]  kvg:{epochs}:ids
 ARGV[1]  cursor ('0' to start)    ARGV[2] IDs a page (SSCAN COUNT)
 ARGV[3]  the state keys' prefix (kvg:{epochs}:state:, then the ID)
 
-Returns {next cursor ('0': the last page), JSON [[ID, {field: value}], ...]} (IDs without a state hash
+Returns {next cursor ('0': the last page), JSON [ [ID, {field: value}], ... ]} (IDs without a state hash
 are left out; SSCAN may return an ID on two pages).
 ]]
 local page = redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])

