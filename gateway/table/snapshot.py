@@ -169,9 +169,14 @@ class SnapshotSync:
                 group.create_task(self._forever(LISTEN_RETRY_S, self._listen))
 
     async def _forever(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
-        await periodically(interval, step, survive=REDIS_DOWN, on_error=self._dropped)
+        """A step that fails is retried after INTERVAL, whatever failed: a follower that stopped would
+        leave this kvgate serving the versions it last saw, for good."""
+        await periodically(interval, step, survive=(Exception,), on_error=self._dropped)
 
     def _dropped(self, exc: Exception) -> None:
+        if not isinstance(exc, REDIS_DOWN):
+            log.error("following the epoch table failed (retrying): %r", exc, exc_info=exc)
+            return
         if not self.snapshot.flushed:
             log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)
         self.snapshot.flushed = True
