@@ -87,10 +87,8 @@ class Proxy:
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
-        self.loader = loader
-        self.leases = leases
         self.scheduler = scheduler
-        self.placement = Placement(pool, scheduler, loader, leases)
+        self.placement = Placement(pool, scheduler, loader, leases)  # stage 3 carries the loader and leases
         self.admin = admin
         self.dialect = dialect
         self.options = options
