@@ -64,12 +64,17 @@ async def kvgate_process(
             await process.wait()
 
 
+STREAM_TOKENS = (
+    800  # long enough to outlast a publish and a second of sweeps on an idle machine (400 did not)
+)
+
+
 async def long_stream(
     http: aiohttp.ClientSession, url: str, model: str, replica: VllmProcess, started: asyncio.Event
 ) -> tuple[int, bool]:
-    """A streamed completion of 400 tokens through ``url`` pinned to ``replica``: (the completion tokens
-    its final usage reports, whether an error event came)."""
-    body = {"model": model, "prompt": "Count the boats:", "max_tokens": 400, "ignore_eos": True,
+    """A streamed completion of ``STREAM_TOKENS`` tokens through ``url`` pinned to ``replica``: (the
+    completion tokens its final usage reports, whether an error event came)."""
+    body = {"model": model, "prompt": "Count the boats:", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
     generated, broke = 0, False
@@ -126,7 +131,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
         await asyncio.sleep(1.0)  # A's snapshot retires v1 and its sweeper looks at it several times
         assert not stream.done(), "the stream outlasts A's sweeps (else this test proves nothing)"
         chunks, broke = await stream
-        assert (chunks, broke) == (400, False), "B's stream ran to its end while A retired v1"
+        assert (chunks, broke) == (STREAM_TOKENS, False), "B's stream ran to its end while A retired v1"
 
         second = asyncio.Event()  # now B streams on v2, v1 comes back, and B dies mid-stream
         stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, second))
@@ -169,9 +174,9 @@ async def test_an_eviction_never_takes_the_adapter_b_streams_on(
         headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
         with pytest.raises(AuditError) as full:  # budget full, its one adapter in use by B
             await complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)
-        assert not stream.done(), "B's 400-token stream outlasts A's half-second wait for a slot"
+        assert not stream.done(), "B's long stream outlasts A's half-second wait for a slot"
         assert a["name"] in await loaded(http, replica), "A evicted the adapter B streams on"
-        assert await stream == (400, False)
+        assert await stream == (STREAM_TOKENS, False)
     assert "503" in str(full.value)
     assert "adapter_budget_full" in str(full.value)
 
