@@ -75,6 +75,7 @@ ACTIVITY = web.AppKey("activity", dict[str, float])
 VERDICTS = web.AppKey("verdicts", dict[str, dict[str, dict[str, Any]]])  # the canary's last, for /kvgate/
 RESEEDER = web.AppKey("reseeder", Reseeder)
 CALLERS = web.AppKey("callers", Callers)
+CALLER_SYNC = web.AppKey("caller_sync", CallerSync)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
@@ -157,8 +158,13 @@ def build_app(
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
-            "table": {"generation": snapshot.generation, **app[RESEEDER].health()},
+            "table": {
+                "generation": snapshot.generation,
+                **app[RESEEDER].health(),
+                "malformed_rows": dict(snapshot.malformed),
+            },
             "draining": app[DRAIN].draining,
+            **({"api_keys": app[CALLER_SYNC].health()} if CALLER_SYNC in app else {}),
         }
         return web.json_response(body, status=200 if pool.healthy() and not app[DRAIN].draining else 503)
 
@@ -283,7 +289,9 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     table = CallerTable(app[TABLE].redis)
-    sync = CallerSync(table, app[CALLERS], interval=app[SETTINGS].reconcile_interval)
+    app[CALLER_SYNC] = sync = CallerSync(
+        table, app[CALLERS], interval=app[SETTINGS].reconcile_interval, metrics=app[METRICS]
+    )
     await sync.reload()
     log.info("API keys on: %d keys", len(app[CALLERS]))
     async with _background(sync.run()):

@@ -110,6 +110,7 @@ class Admin:
             "generation": self.snapshot.generation,
             "snapshot_flushed": self.snapshot.flushed,
             "snapshot_staleness_s": self.snapshot.staleness(),
+            "malformed_rows": self.snapshot.malformed,
             "versions": versions,
             "replicas": replicas,
             "prefix_index_entries": len(self.index),
