@@ -8,19 +8,26 @@ are not UTF-8. The real scripts and the real follower run on the session's redis
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import aiohttp
 import pytest
 from redis.asyncio import Redis
 
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.serving import running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import eventually
+from tests.stub_backend import StubState, build_stub
 from tests.test_changelog import following, publish
 from tests.test_epoch_table import D1, D2, D3
 
+ADMIN = "test-admin-token"
 BAD_ENTRIES = {
     "no id": {"action": "publish", "digest": D3, "epoch": "9"},
     "no action": {"id": "tenant-42"},
@@ -148,3 +155,28 @@ async def test_a_malformed_history_event_does_not_stop_a_rollback(redis: Redis, 
     await redis.lpush(keys.history("tenant-42"), "{not json", '"a string"')
     change = await table.rollback("tenant-42", "", "base")
     assert change.digest == D1
+
+
+async def test_the_kvgate_serves_the_publish_made_after_a_malformed_change_log_entry(
+    redis: Redis, table: EpochTable, tmp_path: Path
+) -> None:
+    """The probe as the tester ran it: a kvgate running, an ``XADD`` without ``id`` to the log, a publish:
+    the kvgate's status shows the new version and its metrics count the skipped entry."""
+    await publish(table, D1)
+    settings = Settings(replicas=[], store=tmp_path / "store", admin_token=ADMIN,
+                        reconcile_interval=0.1, poll_interval=0.1)  # fmt: skip
+    async with (
+        running(build_stub(StubState())) as replica,
+        running(build_app(settings.model_copy(update={"replicas": [replica]}), redis)) as url,
+        aiohttp.ClientSession(headers={"x-kvgate-admin-token": ADMIN}) as http,
+    ):
+        await redis.xadd(keys.LOG, {"action": "publish", "epoch": "NaN"})
+        await publish(table, D2)
+
+        async def serves_d2() -> bool:
+            async with http.get(f"{url}/kvgate/status") as response:
+                return bool((await response.json())["versions"]["tenant-42"]["digest"] == D2)
+
+        await eventually(serves_d2, "the kvgate serves the version published after the bad entry", 5)
+        async with http.get(f"{url}/metrics") as response:
+            assert 'kvgate_malformed_rows_total{kind="change_log"} 1.0' in await response.text()

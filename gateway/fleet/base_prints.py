@@ -40,7 +40,7 @@ from gateway.fleet.replicas import Replica, ReplicaPool
 log = logging.getLogger(__name__)
 
 MAX_FAILURES = 3  # transient probe failures per incarnation before it counts as unprintable
-RETRY_UNPRINTABLE_S = 30.0
+RETRY_UNPRINTABLE_S = 10.0
 """An incarnation that could not be fingerprinted is probed again this often: a replica answering 200
 ``text/html`` for a while after a restart is fingerprinted once it answers the probe again."""
 
