@@ -120,7 +120,7 @@ def start_time(body: bytes) -> float | None:
     found = _START_TIME.search(body)
     if found is None:
         return None
-    raw = found[1]
+    raw = found[1].decode(errors="replace")
     try:
         value = float(raw)
     except ValueError:
