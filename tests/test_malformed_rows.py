@@ -120,6 +120,9 @@ async def test_a_malformed_state_row_is_left_out_of_the_full_read_and_reported(
     assert set(view.states) == {"tenant-a"}
     assert "epoch" in view.malformed["tenant-b"]
     assert "not UTF-8" in view.malformed["tenant-c"]
+    held = SnapshotSync(table, Snapshot(), interval=0.1)
+    await held.reconcile()
+    assert held.snapshot.get("tenant-b") is None, "a row malformed from the start is not served"
     async with following(redis, metrics=metrics) as sync:
         assert sync.snapshot.get("tenant-a") is not None
         assert set(sync.snapshot.malformed) == {"tenant-b", "tenant-c"}
@@ -180,3 +183,17 @@ async def test_the_kvgate_serves_the_publish_made_after_a_malformed_change_log_e
         await eventually(serves_d2, "the kvgate serves the version published after the bad entry", 5)
         async with http.get(f"{url}/metrics") as response:
             assert 'kvgate_malformed_rows_total{kind="change_log"} 1.0' in await response.text()
+
+
+async def test_an_id_whose_row_turns_malformed_keeps_serving_its_previous_version(
+    redis: Redis, table: EpochTable
+) -> None:
+    await publish(table, D1)
+    sync = SnapshotSync(table, Snapshot(), interval=0.1)
+    await sync.reconcile()
+    await redis.hset(keys.state("tenant-42"), "epoch", "NaN")
+    await sync.reconcile("checksum")
+    state = sync.snapshot.get("tenant-42")
+    assert state is not None
+    assert state.digest == D1
+    assert "epoch" in sync.snapshot.malformed["tenant-42"]

@@ -67,7 +67,13 @@ class Snapshot:
 
     def replace(self, view: TableView, position: str = START) -> None:
         new_table = bool(self.generation) and view.generation != self.generation
-        gone = self._states.keys() if new_table else self._states.keys() - view.states.keys()
+        # an ID whose row is malformed keeps what the snapshot held: it serves the previous version (a lagging
+        # snapshot is coherent), not a 404, while status and /healthz name the row
+        gone = (
+            self._states.keys()
+            if new_table
+            else self._states.keys() - view.states.keys() - view.malformed.keys()
+        )
         for logical_id in list(gone):  # a new generation (Redis came back empty): nothing carries over
             self.put(logical_id, None)
         for state in view.states.values():
