@@ -75,7 +75,6 @@ ACTIVITY = web.AppKey("activity", dict[str, float])
 VERDICTS = web.AppKey("verdicts", dict[str, dict[str, dict[str, Any]]])  # the canary's last, for /kvgate/
 RESEEDER = web.AppKey("reseeder", Reseeder)
 CALLERS = web.AppKey("callers", Callers)
-CALLER_SYNC = web.AppKey("caller_sync", CallerSync)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
@@ -122,7 +121,7 @@ def build_app(
     app[VERDICTS] = {}
     app[DRAIN] = Drain()
     if settings.auth == "api-keys":
-        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
+        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_caller_sync)
@@ -158,13 +157,9 @@ def build_app(
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
-            "table": {
-                "generation": snapshot.generation,
-                **app[RESEEDER].health(),
-                "malformed_rows": dict(snapshot.malformed),
-            },
+            "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
             "draining": app[DRAIN].draining,
-            **({"api_keys": app[CALLER_SYNC].health()} if CALLER_SYNC in app else {}),
+            **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
         }
         return web.json_response(body, status=200 if pool.healthy() and not app[DRAIN].draining else 503)
 
@@ -288,10 +283,7 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
     if CALLERS not in app:
         yield
         return
-    table = CallerTable(app[TABLE].redis)
-    app[CALLER_SYNC] = sync = CallerSync(
-        table, app[CALLERS], interval=app[SETTINGS].reconcile_interval, metrics=app[METRICS]
-    )
+    sync = CallerSync(CallerTable(app[TABLE].redis), app[CALLERS], interval=app[SETTINGS].reconcile_interval)
     await sync.reload()
     log.info("API keys on: %d keys", len(app[CALLERS]))
     async with _background(sync.run()):

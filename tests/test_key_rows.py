@@ -95,7 +95,7 @@ def test_kvgate_keys_list_names_a_malformed_row_and_exits_0(tmp_path: Path) -> N
 
 async def test_flushall_re_seeds_the_keys_a_fresh_copy_holds_but_never_a_revoked_one(redis: Redis) -> None:
     table = CallerTable(redis)
-    a = CallerSync(table, Callers(max_staleness=60), interval=30, metrics=Metrics())
+    a = CallerSync(table, Callers(max_staleness=60, metrics=Metrics()), interval=30)
     b = CallerSync(table, Callers(max_staleness=60), interval=30)
     key_1, caller_1 = await table.create("acme", ["tenant-42"], base=False)
     key_2, _ = await table.create("bolt", ["tenant-7"], base=False)
@@ -107,8 +107,8 @@ async def test_flushall_re_seeds_the_keys_a_fresh_copy_holds_but_never_a_revoked
     await a.reload()
     assert a.callers.find(key_2) is not None
     assert a.callers.find(key_1) is None
-    assert a.restored == 1
-    assert a.wiped_at is not None
+    assert a.callers.restored == 1
+    assert a.callers.wiped_at is not None
     assert await redis.hexists(keys.CALLERS, caller_1.key_id) == 0
     await b.reload()  # b writes back what it held, the revoked key with it...
     assert await redis.hexists(keys.CALLERS, caller_1.key_id) == 1
@@ -133,7 +133,7 @@ async def test_a_copy_too_old_to_trust_is_not_written_back_and_health_says_every
     await sync.reload()
     assert sync.callers.find(key) is None
     assert await redis.hlen(keys.CALLERS) == 0
-    health = sync.health()
+    health = sync.callers.health()
     assert health["lost"] == 1
     assert health["wiped_at"] is not None
 

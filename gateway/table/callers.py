@@ -213,10 +213,20 @@ class CallerTable:
 class Callers:
     """This kvgate's copy of the key table; the request path reads only this."""
 
-    def __init__(self, *, max_staleness: float) -> None:
+    def __init__(self, *, max_staleness: float, metrics: Metrics | None = None) -> None:
         self.max_staleness = max_staleness
+        self.metrics = metrics
         self._by_hash: dict[str, Caller] = {}
         self.refreshed_at = 0.0
+        self.malformed: dict[str, str] = {}  # key id -> why its row is no key, as last read
+        self.wiped_at: float | None = None  # wall clock (s) the table was last found wiped
+        self.restored = 0  # keys this kvgate wrote back then
+        self.lost = 0  # keys it held then but could not write back (its copy too old to trust)
+
+    def health(self) -> dict[str, Any]:
+        """What ``/healthz`` says of the API keys: how many, the malformed rows, the last wipe."""
+        return {"keys": len(self), "malformed": dict(self.malformed), "wiped_at": self.wiped_at,
+                "restored": self.restored, "lost": self.lost}  # fmt: skip
 
     def find(self, key: str) -> Caller | None:
         """The caller a key belongs to, None for no such key; ``KeysUnavailable`` when the copy is too old
@@ -244,25 +254,18 @@ class Callers:
 
 class CallerSync:
     """Keeps ``Callers`` fresh. A malformed row is that key's problem: left out, logged once, counted,
-    named by ``health`` and ``kvgate keys list``. A table found wiped (it lost its ``CALLERS_MARK``, or
-    has another one: ``FLUSHALL``, Redis back empty) is re-seeded from this kvgate's copy when that copy
-    is fresh (read within two intervals, Redis reachable since), never with a key this kvgate saw
-    revoked; a key it saw revoked that another kvgate wrote back is deleted again. A copy too old to
-    trust is not written back: every key is gone, and ``health`` and the log say so."""
+    named by ``Callers.health`` and ``kvgate keys list``. A table found wiped (it lost its
+    ``CALLERS_MARK``, or has another one: ``FLUSHALL``, Redis back empty) is re-seeded from this kvgate's
+    copy when that copy is fresh (read within two intervals, Redis reachable since), never with a key
+    this kvgate saw revoked; a key it saw revoked that another kvgate wrote back is deleted again. A copy
+    too old to trust is not written back: every key is gone, and ``Callers.health`` and the log say so."""
 
-    def __init__(
-        self, table: CallerTable, callers: Callers, *, interval: float, metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, table: CallerTable, callers: Callers, *, interval: float) -> None:
         self.table = table
         self.callers = callers
         self.interval = interval
-        self.metrics = metrics
         self.reachable = True
-        self.malformed: dict[str, str] = {}  # key id -> why its row is no key, as last read
         self.revoked: set[str] = set()  # key ids this kvgate saw go from the table it had read
-        self.wiped_at: float | None = None  # wall clock (s) the table was last found wiped
-        self.restored = 0  # keys this kvgate wrote back then
-        self.lost = 0  # keys it held then but could not write back (its copy too old to trust)
         self._mark: str | None = None
         self._reading = asyncio.Lock()  # the periodic re-read and the hinted one: one at a time
 
@@ -287,19 +290,19 @@ class CallerSync:
         self._mark = read.mark if read.mark is not None else self._mark
         by_hash = {digest: c for digest, c in read.by_hash.items() if c.key_id not in self.revoked}
         for key_id, reason in read.malformed.items():
-            if self.malformed.get(key_id) != reason:
+            if self.callers.malformed.get(key_id) != reason:
                 log.error("API key table: row %s is malformed, that key is refused: %s", key_id, reason)
-                if self.metrics is not None:
-                    self.metrics.malformed_rows.labels("caller").inc()
-        self.malformed = dict(read.malformed)
+                if self.callers.metrics is not None:
+                    self.callers.metrics.malformed_rows.labels("caller").inc()
+        self.callers.malformed = dict(read.malformed)
         self.callers.replace(by_hash)
         self.reachable = True
 
     async def _wiped(self, read: KeyRead, held: dict[str, Caller]) -> KeyRead:
-        self.wiped_at = time.time()
+        self.callers.wiped_at = time.time()
         fresh = self.reachable and self.callers.staleness() <= 2 * self.interval
         if not fresh:
-            self.lost, self.restored = len(held), 0
+            self.callers.lost, self.callers.restored = len(held), 0
             log.error(
                 "the API key table came back empty, and this kvgate's copy (%.0f s old) is too old to "
                 "write back (a revoke may have been missed): every API key is gone; create them again",
@@ -307,17 +310,12 @@ class CallerSync:
             )
             return read
         keep = {digest: c for digest, c in held.items() if c.key_id not in self.revoked}
-        self.restored, self.lost = await self.table.put_back(keep), 0
+        self.callers.restored, self.callers.lost = await self.table.put_back(keep), 0
         log.warning(
             "the API key table came back empty: wrote back %d of the %d keys this kvgate held",
-            self.restored, len(keep),
+            self.callers.restored, len(keep),
         )  # fmt: skip
         return await self.table.read()
-
-    def health(self) -> dict[str, Any]:
-        """What ``/healthz`` says of the API keys: how many, the malformed rows, the last wipe."""
-        return {"keys": len(self.callers), "malformed": dict(self.malformed), "wiped_at": self.wiped_at,
-                "restored": self.restored, "lost": self.lost}  # fmt: skip
 
     async def run(self) -> None:
         """Run until cancelled: the periodic re-read and the hint listener side by side."""

@@ -103,6 +103,10 @@ class Snapshot:
     def _retire(self, state: VersionState) -> None:
         self.retired.setdefault(state.name, time.monotonic())
 
+    def health(self) -> dict[str, dict[str, str]]:
+        """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
+        return {"malformed_rows": dict(self.malformed)}
+
     def staleness(self) -> float:
         return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")
 
