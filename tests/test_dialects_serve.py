@@ -1,9 +1,15 @@
-"""The SGLang dialect through a running ``kvgate serve --backend sglang`` (its own process, real Redis) in
-front of SGLang-speaking stubs (``tests/stub_sglang.py``), each stub recording what it got: the versioned
-name and kvgate's namespace in ``extra_key`` (a client's own ``extra_key``/``cache_salt`` never reaching
-it), a publish then a request served by the new version, ``purge-all`` calling ``/flush_cache``, the base
-fingerprint probe keeping a replica of another base apart, and the canary catching a replica that serves
-other bytes under a versioned name. Publishing is ``kvgate publish --backend sglang``, also a process.
+"""The SGLang and generic dialects through a running ``kvgate serve --backend ...`` (its own process, real
+Redis), each stub recording what it got.
+
+SGLang, against SGLang-speaking stubs (``tests/stub_sglang.py``): the versioned name and kvgate's
+namespace in ``extra_key`` (a client's own ``extra_key``/``cache_salt`` never reaching it), a publish then
+a request served by the new version, ``purge-all`` calling ``/flush_cache``, the base fingerprint probe
+keeping a replica of another base apart, and the canary catching a replica that serves other bytes under
+a versioned name. Publishing is ``kvgate publish --backend sglang``, also a process.
+
+Generic, against the vLLM-speaking stub (``tests/stub_backend.py``) used as a server whose adapters are
+fixed at start: what the ``backend`` setting's description promises (warnings at start, no load, no
+namespace, no unload, a new version served once a replica is restarted with it, ``purge-all`` refused).
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.wire import ADMIN_TOKEN_HEADER, cache_salt
-from gateway.serving import free_port
+from gateway.serving import free_port, running
 from gateway.settings_table import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter, eventually, until_healthy
+from tests.stub_backend import StubState, build_stub
 from tests.stub_sglang import SglangStubState, run_sglang_stub
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,11 +119,16 @@ async def kvgate_serve(
 
 
 async def publish(
-    redis_server: EmbeddedRedis, store: Path, logical_id: str, adapter: Path, replicas: list[str]
+    redis_server: EmbeddedRedis,
+    store: Path,
+    logical_id: str,
+    adapter: Path,
+    replicas: list[str],
+    backend: str = "sglang",
 ) -> dict[str, Any]:
     """``kvgate publish --backend sglang``: it fingerprints the base through the stubs (SGLang dialect)."""
     urls = [arg for url in replicas for arg in ("--replica", url)]
-    return await kvgate_cli("publish", logical_id, str(adapter), "--backend", "sglang", "--redis-url",
+    return await kvgate_cli("publish", logical_id, str(adapter), "--backend", backend, "--redis-url",
                             redis_server.url, "--store", str(store), *urls)  # fmt: skip
 
 
@@ -309,3 +321,78 @@ async def test_the_canary_catches_an_sglang_replica_serving_other_bytes_under_a_
     assert v1["name"] in good.adapters
     assert {dict(key)["verdict"] for key in verdicts if dict(key)["replica"] == urls[0]} == {"coherent"}
     assert last[urls[0]]["verdict"] == "coherent"
+
+
+# --- generic ---------------------------------------------------------------------------------------------
+
+
+def generic_bodies(*states: StubState, model: str) -> list[dict[str, Any]]:
+    return [b for s in states for b in s.received if b.get("model") == model and b.get("prompt") == PROMPT]
+
+
+async def test_generic_serves_only_what_a_replica_was_started_with_and_warns_of_it(
+    redis: Redis, redis_server: EmbeddedRedis, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    a, b = StubState(), StubState()
+    store, log = tmp_path / "store", tmp_path / "kvgate.log"
+    async with running(build_stub(a)) as url_a, running(build_stub(b)) as url_b:
+        urls = [url_a, url_b]
+        v1 = await publish(redis_server, store, "t", make_adapter(b"v1"), urls, backend="generic")
+        a.adapters[v1["name"]] = v1["path"]  # a was started with v1; b with nothing of t
+        async with (
+            kvgate_serve(redis_server, store, urls, log, backend="generic") as kvgate,
+            kvgate.client() as api,
+        ):
+            started = log.read_text()
+            assert "generic replicas cannot load adapters at runtime" in started
+            assert "generic replicas have no cache namespace" in started
+            for _ in range(4):
+                await ask(api, "t", extra_key="client-key", cache_salt="client-salt")
+            served = generic_bodies(a, model=v1["name"])
+            assert len(served) == 4, "every request went to the replica that lists v1"
+            assert generic_bodies(b, model=v1["name"]) == []
+            assert not any({"cache_salt", "extra_key"} & set(body) for body in served), "no namespace at all"
+
+            v2 = await publish(redis_server, store, "t", make_adapter(b"v2"), urls, backend="generic")
+
+            async def v2_not_served_yet() -> bool:
+                try:
+                    await ask(api, "t")
+                except openai.APIStatusError as exc:
+                    return (
+                        exc.status_code == 503
+                        and f"fixed at start on generic backends; start the server with t from {v2['path']}"
+                        in exc.message
+                    )  # the name a client knows
+                return False
+
+            await eventually(v2_not_served_yet, "v2 gets 503 saying why while no replica lists it", 20)
+            b.adapters[v2["name"]] = v2["path"]  # b restarted with v2
+
+            async def served_by_v2() -> bool:
+                try:
+                    await ask(api, "t")
+                except openai.APIStatusError:
+                    return False
+                return bool(generic_bodies(b, model=v2["name"]))
+
+            await eventually(served_by_v2, "v2 served once a replica lists it", 20)
+    assert (a.loads, b.loads) == ([], []), "never asked to load"
+    assert (a.unloads, a.adapters) == ([], {v1["name"]: v1["path"]}), "never asked to unload the retired v1"
+    assert (a.resets, b.resets) == (0, 0)
+
+
+async def test_generic_refuses_purge_all_at_start(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    async with running(build_stub(StubState())) as url:
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(free_port()), "--replica", url,
+                   "--backend", "generic", "--invalidation", "purge-all", "--redis-url", redis_server.url,
+                   "--store", str(tmp_path / "store")]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(process.communicate(), timeout=30)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 1
+    assert 'invalidation = "purge-all" needs replicas that can purge their prefix cache' in err.decode()
