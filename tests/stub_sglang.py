@@ -31,7 +31,7 @@ from aiohttp import web
 from gateway.core.base_print import PROBE_PROMPT
 from gateway.serving import running
 
-__all__ = ["SGLANG_STUB", "SglangStubState", "build_sglang_stub", "run_sglang_stub"]
+__all__ = ["SGLANG_STUB", "SglangStubState", "adapter_text", "build_sglang_stub", "run_sglang_stub"]
 
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -178,6 +178,11 @@ def _content(path: str) -> str:
     for file in sorted(f for f in root.rglob("*") if f.is_file()):
         tree.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
     return tree.hexdigest()
+
+
+def adapter_text(adapter_dir: Path) -> str:
+    """The text every completion of the adapter whose files are at ``adapter_dir`` answers with."""
+    return _answer(_content(str(adapter_dir)), "", 1)[0]
 
 
 def _answer(what: str, prompt: str, max_tokens: int) -> tuple[str, list[float]]:

@@ -37,7 +37,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
-from tests.stub_sglang import SglangStubState, run_sglang_stub
+from tests.stub_sglang import SglangStubState, adapter_text, run_sglang_stub
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "test-admin-token"
@@ -157,13 +157,20 @@ async def ask(api: openai.AsyncOpenAI, model: str, **extra: Any) -> str:
     return answer.choices[0].text
 
 
+@pytest.mark.parametrize("lists_adapters", [True, False], ids=["newer-sglang", "older-sglang"])
 async def test_versioned_names_and_namespaces_reach_sglang_and_a_publish_is_served_by_the_new_version(
-    redis: Redis, redis_server: EmbeddedRedis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+    redis: Redis,
+    redis_server: EmbeddedRedis,
+    table: EpochTable,
+    make_adapter: MakeAdapter,
+    tmp_path: Path,
+    lists_adapters: bool,
 ) -> None:
-    a, b = SglangStubState(), SglangStubState()
-    store = tmp_path / "store"
+    """Older SGLang lists only the base in /v1/models: the dialect then lists from its load answers."""
+    a, b = SglangStubState(list_adapters=lists_adapters), SglangStubState(list_adapters=lists_adapters)
+    store, sources = tmp_path / "store", [make_adapter(b"v1"), make_adapter(b"v2")]
     async with stubs(a, b) as urls:
-        v1 = await publish(redis_server, store, "t", make_adapter(b"v1"), urls)
+        v1 = await publish(redis_server, store, "t", sources[0], urls)
         assert v1["base_print"], "kvgate publish fingerprinted the base through SGLang's API"
         assert a.probes, "a was probed"
         assert b.probes, "b was probed"
@@ -172,6 +179,7 @@ async def test_versioned_names_and_namespaces_reach_sglang_and_a_publish_is_serv
             kvgate.client() as api,
         ):
             text_v1 = await ask(api, "t", extra_key="client-key", cache_salt="client-salt")
+            assert text_v1 == adapter_text(sources[0]), "v1's bytes answer (read from its source)"
             salt_v1 = await expected_salt(table, "t")
             [body] = bodies(a, b, model=v1["name"])
             assert body["extra_key"] == salt_v1, "kvgate's namespace, not the client's"
@@ -180,10 +188,10 @@ async def test_versioned_names_and_namespaces_reach_sglang_and_a_publish_is_serv
             assert loads == [{"lora_name": v1["name"], "lora_path": v1["path"], "pinned": False}]
             await ask(api, "base", extra_key="client-key", cache_salt="client-salt")
             [base_body] = bodies(a, b, model="base")
-            assert base_body.get("extra_key") != "client-key"
+            assert "extra_key" not in base_body, "no base namespace without keys"
             assert "cache_salt" not in base_body
 
-            v2 = await publish(redis_server, store, "t", make_adapter(b"v2"), urls)
+            v2 = await publish(redis_server, store, "t", sources[1], urls)
             assert v2["name"] != v1["name"]
 
             async def served_by_v2() -> bool:
@@ -195,7 +203,7 @@ async def test_versioned_names_and_namespaces_reach_sglang_and_a_publish_is_serv
             salt_v2 = await expected_salt(table, "t")
             assert {body["extra_key"] for body in bodies(a, b, model=v2["name"])} == {salt_v2}
             assert salt_v2 != salt_v1, "each version has a namespace of its own"
-            assert text_v2 != text_v1, "v2's bytes answer, not v1's"
+            assert text_v2 == adapter_text(sources[1]) != text_v1, "v2's bytes answer, not v1's"
 
             async def v1_unloaded() -> bool:
                 return not any(v1["name"] in s.adapters for s in (a, b))
