@@ -213,6 +213,27 @@ async def test_versioned_names_and_namespaces_reach_sglang_and_a_publish_is_serv
             assert (a.flushes, b.flushes) == (0, 0), "version-scoped: no cache is ever flushed"
 
 
+async def test_an_older_sglang_that_already_holds_the_version_refuses_the_reload_and_serves_it(
+    redis: Redis, redis_server: EmbeddedRedis, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    """Another kvgate loaded v1 there; older SGLang's /v1/models does not show it, so kvgate asks to load
+    it, SGLang refuses the same name, and the refusal's ``loaded_adapters`` (same path) makes it a load."""
+    state = SglangStubState(list_adapters=False)
+    store, source = tmp_path / "store", make_adapter(b"v1")
+    async with stubs(state) as urls:
+        v1 = await publish(redis_server, store, "t", source, urls)
+        state.adapters[v1["name"]] = v1["path"]
+        async with (
+            kvgate_serve(redis_server, store, urls, tmp_path / "kvgate.log") as kvgate,
+            kvgate.client() as api,
+        ):
+            assert await ask(api, "t") == adapter_text(source)
+            assert await ask(api, "t") == adapter_text(source)
+    assert [load["lora_name"] for load in state.loads] == [v1["name"]], "one load asked, and refused"
+    assert state.adapters == {v1["name"]: v1["path"]}
+    assert len(bodies(state, model=v1["name"])) == 2
+
+
 async def test_purge_all_flushes_every_sglang_cache_on_a_publish(
     redis: Redis, redis_server: EmbeddedRedis, make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:
