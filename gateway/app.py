@@ -26,7 +26,7 @@ from opentelemetry.trace import Tracer
 from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
-from gateway.fleet.backends import dialect_for
+from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
@@ -237,7 +237,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             extra_fields=lambda: operator_fields(app[METRICS], app[VERDICTS]),
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
-        for warning in settings.tenant_warnings(dialect.cache_namespaces):
+        for warning in [*start_warnings(dialect), *settings.tenant_warnings(dialect.cache_namespaces)]:
             log.warning("%s", warning)
         options = ProxyOptions(
             base_model=settings.base_model,

@@ -57,7 +57,12 @@ class Settings(BaseSettings):
     """Seconds Redis may take to answer (a stalled one is then an error, never replaced by a second one)."""
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
-    """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
+    """The replicas' server kind (its dialect). ``vllm``, ``sglang``: kvgate loads and unloads adapters
+    at runtime, gives each version and epoch a cache namespace (``cache_salt``, ``extra_key``) and can
+    purge (``purge-all``). ``generic``: any other OpenAI-compatible server, adapters fixed at start: a
+    version is served only by replicas started with its versioned name (a new version needs a restart),
+    requests carry no cache namespace (versions stay apart by name alone; an epoch bump cannot
+    invalidate a cache), ``purge-all`` is refused; kvgate warns of this at start."""
     invalidation: Literal["version-scoped", "purge-all"] = "version-scoped"
     """version-scoped: versioned names + per-epoch cache salts; purge-all: reset every replica's cache."""
     base_model: str = "base"
