@@ -105,7 +105,9 @@ class Supervisor:
         while True:
             ended_burst = loop.call_later(state.period, self._ran_a_period, state)
             try:
-                await factory()
+                # its own task: a TaskGroup inside that fails leaves its parent's cancel count raised
+                # (Python 3.11), which must not read as this task being cancelled
+                await asyncio.ensure_future(factory())
                 error: Exception = RuntimeError("it returned (a background task runs until cancelled)")
             except Exception as exc:  # a cancellation (BaseException) ends it
                 error = exc
@@ -177,8 +179,8 @@ class Supervisor:
 
 
 def _leaf(error: BaseException) -> BaseException:
-    """A TaskGroup's one failure, out of its group (what a reader of /healthz wants to see)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+    """A TaskGroup's first failure, out of its group (what a reader of /healthz wants to see)."""
+    while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]
     return error
 

@@ -1,0 +1,168 @@
+"""Every background loop of a running kvgate survives any exception: restarted, counted, on /healthz.
+
+A running app (stub replica, the session's real redis-server) with one loop's step made to raise
+``RuntimeError`` a few times (``Flaky``, patched in before the app starts and armed once it serves):
+the loop's work happens again, ``kvgate_background_restarts_total{task}`` counts the restarts and
+``/healthz`` shows the task running again with its last error. A step that keeps failing makes
+``/healthz`` answer 503 naming the task, and 200 once it runs again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.app import PURGER, build_app
+from gateway.config import Settings
+from gateway.fleet.invalidation import PurgeAll
+from gateway.fleet.leases import Leases
+from gateway.fleet.loader import AdapterLoader
+from gateway.fleet.replicas import ReplicaPool
+from gateway.proof.canary import Canary
+from gateway.serving import running
+from gateway.table.callers import CallerSync
+from gateway.table.snapshot import SnapshotSync
+from tests.conftest import eventually
+from tests.stub_backend import StubState, build_stub
+
+FAST = {"poll_interval": 0.1, "reconcile_interval": 0.1, "lease_ttl": 0.4, "canary_interval": 0.1}
+
+
+class Flaky:
+    """Wraps a method: once ``arm``ed, its next ``failures`` calls raise RuntimeError; the rest run it."""
+
+    def __init__(self, method: Callable[..., Awaitable[Any]]) -> None:
+        self.method = method
+        self.failures = 0
+        self.failed = 0
+        self.passed = 0  # calls run through after the last injected failure
+
+    def arm(self, failures: int) -> None:
+        self.failures, self.failed, self.passed = failures, 0, 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> None:
+        async def flaky(*args: Any, **kwargs: Any) -> Any:
+            if self.failed < self.failures:
+                self.failed += 1
+                raise RuntimeError(f"injected failure {self.failed}")
+            result = await self.method(*args, **kwargs)
+            if self.failures:
+                self.passed += 1
+            return result
+
+        monkeypatch.setattr(owner, name, flaky)
+
+
+@dataclass
+class Loop:
+    task: str  # its name under the supervisor
+    owner: type
+    step: str  # the method the loop runs each time
+    settings: dict[str, Any]
+
+
+LOOPS = [
+    Loop("replica-poll", ReplicaPool, "refresh_all", {}),
+    Loop("api-key-sync", CallerSync, "reload", {"auth": "api-keys", "auth_max_staleness": 5}),
+    Loop("leases-heartbeat", Leases, "heartbeat", {}),
+    Loop("adapter-sweep", AdapterLoader, "sweep", {}),
+    Loop("snapshot-sync", SnapshotSync, "heartbeat", {}),
+    Loop("canary", Canary, "run_round", {}),
+    Loop("purger", PurgeAll, "_drain", {"invalidation": "purge-all"}),
+]
+
+
+@asynccontextmanager
+async def kvgate(redis: Redis, **overrides: Any) -> AsyncIterator[tuple[str, web.Application, StubState]]:
+    state = StubState()
+    async with running(build_stub(state)) as stub_url:
+        app = build_app(Settings(replicas=[stub_url], **(FAST | overrides)), redis)
+        async with running(app) as url:
+            yield url, app, state
+
+
+async def health(url: str) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as response:
+        doc: dict[str, Any] = await response.json()
+        return response.status, doc
+
+
+async def restarts_metric(url: str, task: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    found = re.search(rf'^kvgate_background_restarts_total{{task="{task}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else -1.0
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=[loop.task for loop in LOOPS])
+async def test_a_loop_that_raises_is_restarted_counted_and_shown(
+    loop: Loop, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flaky = Flaky(getattr(loop.owner, loop.step))
+    flaky.install(monkeypatch, loop.owner, loop.step)
+    async with kvgate(redis, **loop.settings) as (url, app, stub):
+        flaky.arm(3)
+        if loop.task == "purger":  # it acts on a change: one per attempt
+            purger = app[PURGER]
+
+            async def purged() -> bool:
+                purger.changed("tenant-x")
+                return stub.resets > 0 and flaky.passed >= 2
+
+            await eventually(purged, "the purger purges again after its failures")
+        await eventually(lambda: flaky.failed == 3, f"{loop.task} failed 3 times")
+        listings = stub.listings
+        await eventually(lambda: flaky.passed >= 2, f"{loop.task} runs its step again")
+        if loop.task == "replica-poll":
+            await eventually(lambda: stub.listings > listings, "the replica gets listing requests again")
+
+        async def shown() -> bool:
+            status, doc = await health(url)
+            task = doc["background"][loop.task]
+            return status == 200 and task["state"] == "running" and task["restarts"] >= 2
+
+        await eventually(shown, f"/healthz shows {loop.task} running again")
+        _, doc = await health(url)
+        task = doc["background"][loop.task]
+        assert task["last_error"]["type"] == "RuntimeError"  # a task group's sub-loop: its own error
+        assert re.fullmatch(r"injected failure [23]", task["last_error"]["message"])
+        assert doc["failing"] == []
+        assert await restarts_metric(url, loop.task) == task["restarts"] >= 2  # two sub-loops may fail at once
+
+
+async def test_a_task_that_keeps_failing_makes_healthz_503_with_the_reason_then_200(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flaky = Flaky(ReplicaPool.refresh_all)
+    flaky.install(monkeypatch, ReplicaPool, "refresh_all")
+    async with kvgate(redis) as (url, _, stub):
+        assert (await health(url))[0] == 200
+        flaky.arm(10**9)
+
+        async def unready() -> bool:
+            return (await health(url))[0] == 503
+
+        await eventually(unready, "/healthz answers 503 while the replica poll keeps failing")
+        status, doc = await health(url)
+        (reason,) = doc["failing"]
+        assert reason.startswith("background task replica-poll has been failing for ")
+        assert "RuntimeError: injected failure" in reason
+        assert doc["background"]["replica-poll"]["failing_for_s"] >= 0.5  # 5 periods of 0.1 s
+        assert doc["replicas_healthy"] == 1, "only the failing task makes it unready"
+
+        flaky.failures = flaky.failed  # the step works again
+        listings = stub.listings
+
+        async def ready() -> bool:
+            status, doc = await health(url)
+            return status == 200 and doc["failing"] == [] and stub.listings > listings
+
+        await eventually(ready, "/healthz answers 200 once the poll runs again", within=15)
