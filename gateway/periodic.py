@@ -44,6 +44,7 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 DEFAULT_FAILURE_LIMIT = 5.0  # periods (Settings.background_failure_limit)
 RUNNING, RESTARTING = "running", "restarting"
+MESSAGE_CHARS = 300  # of an error's first line, on /healthz and in the readiness reason
 
 
 @dataclass
@@ -123,7 +124,8 @@ class Supervisor:
     def _failed(self, state: TaskState, error: Exception) -> float:
         """Record a failure; the backoff before the restart."""
         cause = _leaf(error)
-        state.error_type, state.error_message = type(cause).__name__, str(cause)
+        lines = str(cause).strip().splitlines() or [""]  # the full error is in the log, with its traceback
+        state.error_type, state.error_message = type(cause).__name__, lines[0].rstrip(" :")[:MESSAGE_CHARS]
         state.restarts += 1
         state.burst += 1
         state.state, state.since = RESTARTING, time.time()

@@ -9,10 +9,15 @@ the loop's work happens again, ``kvgate_background_restarts_total{task}`` counts
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,10 +32,11 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
 from gateway.proof.canary import Canary
-from gateway.serving import running
+from gateway.serving import free_port, running
 from gateway.table.callers import CallerSync
+from gateway.table.redis_server import redis_servers_in
 from gateway.table.snapshot import SnapshotSync
-from tests.conftest import eventually
+from tests.conftest import eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 FAST = {"poll_interval": 0.1, "reconcile_interval": 0.1, "lease_ttl": 0.4, "canary_interval": 0.1}
@@ -168,3 +174,39 @@ async def test_a_task_that_keeps_failing_makes_healthz_503_with_the_reason_then_
             return status == 200 and doc["failing"] == [] and stub.listings > listings
 
         await eventually(ready, "/healthz answers 200 once the poll runs again", within=15)
+
+
+async def test_serve_exits_1_when_its_embedded_redis_cannot_be_restarted(tmp_path: Path) -> None:
+    """The embedded Redis's supervision is the one fatal task: a redis-server that dies and cannot be
+    started again (here: an append-only file it refuses to load) ends ``kvgate serve`` with exit 1 and
+    one clear line, instead of a process that stays up with no table."""
+    data, log_path = tmp_path / "kvgate", tmp_path / "serve.log"
+    async with running(build_stub(StubState())) as stub_url:
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port", str(port),
+                   "--data-dir", str(data), "--store", str(data / "store"),
+                   "--reconcile-interval", "0.1", "--poll-interval", "0.1"]  # fmt: skip
+        with log_path.open("wb") as log_file:
+            server = await asyncio.create_subprocess_exec(*command, stderr=log_file)
+        try:
+            await until_healthy(f"http://127.0.0.1:{port}", within=30)
+            _, doc = await health(f"http://127.0.0.1:{port}")
+            assert doc["background"]["embedded-redis"]["state"] == "running"
+            redis_home = (data / "redis").resolve()
+            for path in redis_home.rglob("appendonly*"):
+                if path.is_file():  # redis-server refuses to start on it
+                    path.write_text("not an append-only file\n")
+            (redis_pid,) = redis_servers_in(redis_home)
+            os.kill(redis_pid, signal.SIGKILL)
+            code = await asyncio.wait_for(server.wait(), timeout=60)
+        finally:
+            if server.returncode is None:
+                server.kill()
+                await server.wait()
+    text = log_path.read_text()
+    assert code == 1, text[-3000:]
+    assert "CRITICAL gateway.periodic: kvgate is stopping: background task embedded-redis has been" in text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("kvgate serve: stopped: background task embedded-redis has been failing "), last
+    assert "KvgateError: embedded redis-server did not start" in last
+    assert redis_servers_in(redis_home) == [], "no redis-server is left behind"

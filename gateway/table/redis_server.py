@@ -317,7 +317,8 @@ class EmbeddedRedis:
             if process.poll() is not None or time.monotonic() > deadline:
                 self._stop_child()
                 tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                raise KvgateError(f"embedded redis-server did not start:\n{tail}")
+                last = (tail.strip().splitlines() or ["no log"])[-1]  # its reason, on the first line
+                raise KvgateError(f"embedded redis-server did not start ({last.strip()}):\n{tail}")
             time.sleep(0.05)
 
     def _stop_child(self) -> None:
