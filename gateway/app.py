@@ -256,6 +256,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
         )
         yield
+        await app[LOADER].stop()  # loads in flight, before the session they use closes
 
 
 async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:

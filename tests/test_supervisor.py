@@ -10,6 +10,7 @@ the loop's work happens again, ``kvgate_background_restarts_total{task}`` counts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -25,6 +26,8 @@ import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
+from gateway.adapters.publish import publish_adapter
+from gateway.adapters.store import AdapterStore
 from gateway.app import PURGER, build_app
 from gateway.config import Settings
 from gateway.fleet.invalidation import PurgeAll
@@ -34,9 +37,10 @@ from gateway.fleet.replicas import ReplicaPool
 from gateway.proof.canary import Canary
 from gateway.serving import free_port, running
 from gateway.table.callers import CallerSync
-from gateway.table.redis_server import redis_servers_in
+from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis, redis_servers_in
 from gateway.table.snapshot import SnapshotSync
-from tests.conftest import eventually, until_healthy
+from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 FAST = {"poll_interval": 0.1, "reconcile_interval": 0.1, "lease_ttl": 0.4, "canary_interval": 0.1}
@@ -191,7 +195,6 @@ async def test_serve_exits_1_when_its_embedded_redis_cannot_be_restarted(tmp_pat
         try:
             await until_healthy(f"http://127.0.0.1:{port}", within=30)
             _, doc = await health(f"http://127.0.0.1:{port}")
-            assert doc["background"]["embedded-redis"]["state"] == "running"
             redis_home = (data / "redis").resolve()
             for path in redis_home.rglob("appendonly*"):
                 if path.is_file():  # redis-server refuses to start on it
@@ -205,8 +208,53 @@ async def test_serve_exits_1_when_its_embedded_redis_cannot_be_restarted(tmp_pat
                 await server.wait()
     text = log_path.read_text()
     assert code == 1, text[-3000:]
+    assert doc["background"]["embedded-redis"]["state"] == "running", "it was shown while it ran"
+
     assert "CRITICAL gateway.periodic: kvgate is stopping: background task embedded-redis has been" in text
     last = text.strip().splitlines()[-1]
     assert last.startswith("kvgate serve: stopped: background task embedded-redis has been failing "), last
     assert "KvgateError: embedded redis-server did not start" in last
     assert redis_servers_in(redis_home) == [], "no redis-server is left behind"
+
+
+async def test_sigterm_with_a_load_in_flight_logs_no_unretrieved_task_exception(
+    tmp_path: Path, make_adapter: MakeAdapter
+) -> None:
+    """Seen in the issue: SIGTERM logged "Task exception was never retrieved" for loads in flight. A load
+    whose request has left runs on (single-flight, shielded); at shutdown the session closed under it
+    and its failure went to nobody. Loads in flight are now cancelled before the session closes, and
+    a load that fails is logged by the loader itself."""
+    state = StubState(load_delay=30)
+    log_path = tmp_path / "serve.log"
+    with EmbeddedRedis(tmp_path / "redis-home") as server:
+        redis = Redis.from_url(server.url)
+        store = AdapterStore(tmp_path / "store")
+        await publish_adapter(EpochTable(redis), store, "tenant-42", make_adapter(b"v1"), "base")
+        await redis.aclose()
+        async with running(build_stub(state)) as stub_url:
+            port = free_port()
+            command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port",
+                       str(port), "--redis-url", server.url, "--store", str(store.root)]  # fmt: skip
+            with log_path.open("wb") as log_file:
+                process = await asyncio.create_subprocess_exec(*command, stderr=log_file)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                await until_healthy(url, within=30)
+                body = {"model": "tenant-42", "prompt": "p", "max_tokens": 1}
+                async with aiohttp.ClientSession() as http:
+                    request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))
+                    await eventually(lambda: state.load_requests == 1, "the load is in flight")
+                    request.cancel()  # the caller leaves: the load runs on without it
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await request
+                process.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(process.wait(), timeout=60)
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+    text = log_path.read_text()
+    assert code == 0, text[-3000:]
+    assert "draining: 0 request(s) running" in text, "the load was the only work in flight"
+    assert "never retrieved" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

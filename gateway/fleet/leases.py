@@ -99,7 +99,7 @@ class Leases:
         try:
             for replica in sorted(self._replicas):
                 await self.table.refresh(replica, {}, set(), since=self.table.now_ms() + 1)
-        except REDIS_DOWN as exc:
+        except REDIS_DOWN + REDIS_REFUSED as exc:
             log.warning("could not drop leases on shutdown (they expire by themselves): %s", exc)
 
     async def begin_unload(self, replica: str, name: str, *, force: bool, claim_ms: int) -> UnloadClaim:
