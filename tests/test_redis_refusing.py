@@ -88,7 +88,8 @@ async def test_a_peer_does_not_unload_under_a_running_stream_after_redis_refused
     """Seen in the issue: the refusal killed A's heartbeat, its lease expired, and B (a second kvgate)
     unloaded the version under A's running stream. Here A streams v1, Redis refuses writes for 4 s,
     then v2 is published: B may unload v1 only once A's stream is over."""
-    state = StubState(hold=asyncio.Event())  # the stream waits after its first chunk
+    hold = asyncio.Event()
+    state = StubState(hold=hold)  # the stream waits after its first chunk
     store = AdapterStore(tmp_path / "store")
     async with own_redis(tmp_path) as redis, running(build_stub(state)) as stub_url:
         table = EpochTable(redis)
@@ -109,7 +110,7 @@ async def test_a_peer_does_not_unload_under_a_running_stream_after_redis_refused
                 await asyncio.sleep(settings.lease_ttl + 2)  # A's lease would have expired by now
                 assert state.unloads == [], "B unloaded v1 under A's running stream"
                 assert v1.name in state.adapters
-                state.hold.set()
+                hold.set()
                 rest = await stream.read()
             assert rest.rstrip().endswith(b"data: [DONE]"), rest[-200:]
             await eventually(lambda: (v1.name, 0) in state.unloads, "v1 is unloaded once its stream is over")
