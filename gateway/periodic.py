@@ -61,6 +61,7 @@ class TaskState:
     error_message: str | None = None
     failing_since: float | None = None  # monotonic: the current burst's first failure (None: no burst)
     burst: int = 0  # failures in the current burst
+    unready_logged: bool = False  # this burst's readiness failure was logged
 
     def failing_for(self, now: float) -> float:
         return 0.0 if self.failing_since is None else now - self.failing_since
@@ -116,9 +117,13 @@ class Supervisor:
                 ended_burst.cancel()
             raise_if_cancelling(error)  # a library turned this task's cancellation into an error
             await asyncio.sleep(self._failed(state, error))
-            if state.fatal and self._over_limit(state):
-                self._end_process(state)
-                return
+            if self._over_limit(state):
+                if state.fatal:
+                    self._end_process(state)
+                    return
+                if not state.unready_logged:  # once per burst, like the failure itself
+                    log.error("%s: /healthz answers 503 until it runs again", self._reason(state))
+                    state.unready_logged = True
             state.state, state.since = RUNNING, time.time()
 
     def _failed(self, state: TaskState, error: Exception) -> float:
@@ -145,7 +150,7 @@ class Supervisor:
                 "background task %s running again after %d failure(s) in %.1f s",
                 state.name, state.burst, state.failing_for(time.monotonic()),
             )  # fmt: skip
-        state.failing_since, state.burst = None, 0
+        state.failing_since, state.burst, state.unready_logged = None, 0, False
 
     def _over_limit(self, state: TaskState) -> bool:
         return state.failing_for(time.monotonic()) > self.failure_limit * state.period

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
+from gateway.periodic import Supervisor
 from gateway.proof.canary import Canary
 from gateway.serving import free_port, running
 from gateway.table.callers import CallerSync
@@ -258,3 +260,25 @@ async def test_sigterm_with_a_load_in_flight_logs_no_unretrieved_task_exception(
     assert "draining: 0 request(s) running" in text, "the load was the only work in flight"
     assert "never retrieved" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+async def test_a_burst_of_failures_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.periodic")
+    supervisor = Supervisor(failure_limit=100)
+    calls = 0
+
+    async def work() -> None:
+        nonlocal calls
+        calls += 1
+        if calls <= 4:
+            raise RuntimeError(f"boom {calls}")
+        await asyncio.Event().wait()  # runs until cancelled
+
+    async with supervisor.run("work", work, period=0.1) as state:
+        await eventually(lambda: calls == 5 and state.failing_since is None, "runs after 4 failures")
+        assert (state.restarts, state.error_type, state.error_message) == (4, "RuntimeError", "boom 4")
+    failed = [r for r in caplog.records if "failed, restarting it" in r.getMessage()]
+    again = [r for r in caplog.records if "running again after 4 failure(s)" in r.getMessage()]
+    assert (len(failed), len(again)) == (1, 1), [r.getMessage() for r in caplog.records]
+    assert "work" not in supervisor.tasks, "the block's end stopped it (a cancellation is no failure)"
+    assert state.restarts == 4
