@@ -57,7 +57,12 @@ class Settings(BaseSettings):
     """Seconds Redis may take to answer (a stalled one is then an error, never replaced by a second one)."""
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
-    """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
+    """The replicas' server kind (its dialect). ``vllm``, ``sglang``: kvgate loads and unloads adapters
+    at runtime, gives each version and epoch a cache namespace (``cache_salt``, ``extra_key``) and can
+    purge (``purge-all``). ``generic``: any other OpenAI-compatible server, adapters fixed at start: a
+    version is served only by replicas started with its versioned name (a new version needs a restart),
+    requests carry no cache namespace (versions stay apart by name alone; an epoch bump cannot
+    invalidate a cache), ``purge-all`` is refused; kvgate warns of this at start."""
     invalidation: Literal["version-scoped", "purge-all"] = "version-scoped"
     """version-scoped: versioned names + per-epoch cache salts; purge-all: reset every replica's cache."""
     base_model: str = "base"
@@ -81,6 +86,13 @@ class Settings(BaseSettings):
     every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
+    background_failure_limit: float = Field(5.0, gt=0)
+    """Readiness: a background task that keeps failing (each restart, after a backoff, fails again) for
+    longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
+    it runs a whole period without failing. Periods: poll_interval (replica poll, adapter sweep),
+    reconcile_interval (snapshot sync, API key sync, purger), lease_ttl / 4 (leases heartbeat),
+    canary_interval (canary), 2 s (the embedded Redis's supervision: failing that long, restarts of
+    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)

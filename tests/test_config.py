@@ -72,6 +72,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "base_print_tolerance": ("0.05", 0.05),
     "reconcile_interval": ("2.5", 2.5),
     "poll_interval": ("0.5", 0.5),
+    "background_failure_limit": ("3", 3.0),
     "change_log_length": ("500", 500),
     "scrub_page": ("250", 250),
     "drain_grace": ("5", 5.0),

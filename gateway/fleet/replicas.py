@@ -27,7 +27,7 @@ from gateway.core.identity import base_identity
 from gateway.core.model import VersionState
 from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.periodic import periodically
-from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,8 @@ class ReplicaPool:
                 await self.record(table, replica)
 
         def redis_down(exc: Exception) -> None:
-            log.debug("could not record loaded adapters: %s", exc)
+            refused = isinstance(exc, REDIS_REFUSED)  # Redis answers: say so (an outage shows elsewhere)
+            level = logging.WARNING if refused else logging.DEBUG
+            log.log(level, "could not record loaded adapters: %s", exc)
 
-        await periodically(interval, step, survive=REDIS_DOWN, on_error=redis_down)
+        await periodically(interval, step, survive=REDIS_DOWN + REDIS_REFUSED, on_error=redis_down)

@@ -42,6 +42,11 @@ REDIS_DOWN = (
     OSError,
 )
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
+REDIS_REFUSED = (redis.exceptions.ResponseError,)
+"""Redis answered and refused the command: ``maxmemory`` reached ("OOM command not allowed", an
+``OutOfMemoryError``), a read-only replica, a script's error. Not an outage (reads still work, so the
+snapshot is never flushed for it); a loop whose step writes (the replica poll's record, the leases
+heartbeat) waits it out like an outage and writes again at its next step."""
 READ_PAGE = 1_000  # IDs per page of a full read
 PREFIX_MIN = keys.DIGEST_PREFIX_MIN
 LOGGED = (keys.LOG, keys.ROWS, keys.CHECK)  # the change log's keys, declared by every logged script

@@ -28,7 +28,7 @@ from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id, row_hash
-from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.reseed import Reseeder
 from gateway.telemetry.metrics import Metrics
 
@@ -194,13 +194,13 @@ class SnapshotSync:
                 group.create_task(self._forever(LISTEN_RETRY_S, self._listen))
 
     async def _forever(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
-        """A step that fails is retried after INTERVAL, whatever failed: a follower that stopped would
-        leave this kvgate serving the versions it last saw, for good."""
-        await periodically(interval, step, survive=(Exception,), on_error=self._dropped)
+        """A step that Redis fails (down, or refusing a command) is retried after INTERVAL; any other
+        failure ends ``run``, and its supervisor restarts it (logged, counted, on /healthz)."""
+        await periodically(interval, step, survive=REDIS_DOWN + REDIS_REFUSED, on_error=self._dropped)
 
     def _dropped(self, exc: Exception) -> None:
-        if not isinstance(exc, REDIS_DOWN):
-            log.error("following the epoch table failed (retrying): %r", exc, exc_info=exc)
+        if not isinstance(exc, REDIS_DOWN):  # Redis answers but refused: the snapshot stays trusted
+            log.warning("the epoch table refused a command (retrying): %s", exc)
             return
         if not self.snapshot.flushed:
             log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)

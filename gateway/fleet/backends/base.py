@@ -27,6 +27,8 @@ class BackendDialect(Protocol):
     """False for servers whose adapters are fixed at start: kvgate then only routes to listed versions."""
     cache_namespaces: bool
     """True when requests can carry a cache namespace (``set_cache_namespace`` does something)."""
+    prefix_purge: bool
+    """True when ``purge_prefix_cache`` can purge (the ``purge-all`` invalidation strategy needs it)."""
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing: ...
 

@@ -41,6 +41,7 @@ class SglangDialect:
     name = "sglang"
     runtime_loading = True
     cache_namespaces = True
+    prefix_purge = True
 
     def __init__(self) -> None:
         self._loaded: dict[str, dict[str, str]] = {}  # URL -> loaded_adapters of its last load/unload answer

@@ -22,6 +22,7 @@ class VllmDialect:
     name = "vllm"
     runtime_loading = True
     cache_namespaces = True
+    prefix_purge = True
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
         return await fetch_model_list(session, url)
