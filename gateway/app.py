@@ -112,7 +112,7 @@ def build_app(
     app[VERDICTS] = {}
     app[DRAIN] = Drain()
     if settings.auth == "api-keys":
-        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
+        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_caller_sync)
@@ -149,8 +149,9 @@ def build_app(
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
-            "table": {"generation": snapshot.generation, **app[RESEEDER].health()},
+            "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
             "draining": app[DRAIN].draining,
+            **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
             "background": supervisor.health(),
             "failing": failing,
         }
@@ -278,8 +279,7 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
     if CALLERS not in app:
         yield
         return
-    table = CallerTable(app[TABLE].redis)
-    sync = CallerSync(table, app[CALLERS], interval=app[SETTINGS].reconcile_interval)
+    sync = CallerSync(CallerTable(app[TABLE].redis), app[CALLERS], interval=app[SETTINGS].reconcile_interval)
     await sync.reload()
     log.info("API keys on: %d keys", len(app[CALLERS]))
     async with app[SUPERVISOR].run("api-key-sync", sync.run, period=app[SETTINGS].reconcile_interval):

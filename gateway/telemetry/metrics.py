@@ -127,9 +127,18 @@ class Metrics:
             ["action"],
             registry=r,
         )
+        self.malformed_rows = Counter(
+            "kvgate_malformed_rows",
+            "Rows read from Redis that are not what kvgate writes, each skipped (its own problem, not the "
+            "read's), by kind: change_log (an entry the follower skipped), state (a logical ID's state "
+            "hash), caller (an API key)",
+            ["kind"],
+            registry=r,
+        )
         self.staleness = Gauge(
             "kvgate_snapshot_staleness_seconds",
-            "Seconds since the snapshot was last confirmed current (a full read or a heartbeat)",
+            "Seconds since the snapshot was last known current: it held every change the table had at that "
+            "time (a full read, or a heartbeat whose newest change-log entry it had applied)",
             registry=r,
         )
         self.audits = self._counter_by_id(
