@@ -115,4 +115,4 @@ KVGATES ?= 1 10 100
 .PHONY: loadtest-scale
 loadtest-scale: $(VENV)/.done
 	$(PY) -m loadtest.scale --ids $(IDS) --kvgates $(KVGATES) --old-kvgates 1 \
-		--out docs/scale-results.md --plot docs/scale-results.png
+		--out docs/scale.md --plot docs/scale.png
