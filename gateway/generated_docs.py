@@ -78,11 +78,31 @@ def blocks(text: str) -> list[Block]:
     return found
 
 
+def make_recipe(target: str) -> str | None:
+    """The recipe of ``target`` in the repository's Makefile (its lines joined), None if it has none."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    for number, line in enumerate(lines):
+        if line.split(":", 1)[0].strip() == target and ":" in line and not line.startswith(("\t", "#")):
+            recipe = []
+            for body in lines[number + 1 :]:
+                if not body.startswith("\t"):
+                    break
+                recipe.append(body.strip().removesuffix("\\"))
+            return " ".join(recipe)
+    return None
+
+
 def module_of(command: str) -> str | None:
-    """``loadtest.scale`` for ``[.venv/bin/]python -m loadtest.scale ...``; None for any other command."""
+    """``loadtest.scale`` for ``[.venv/bin/]python -m loadtest.scale ...``, or for ``make TARGET`` whose
+    recipe runs ``-m loadtest.scale``; None for any other command."""
     words = shlex.split(command)
     if len(words) >= 3 and Path(words[0]).name.startswith("python") and words[1] == "-m":
         return words[2]
+    if len(words) >= 2 and words[0] == "make":
+        recipe = make_recipe(words[1]) or ""
+        parts = recipe.split()
+        modules = [parts[i + 1] for i, part in enumerate(parts[:-1]) if part == "-m"]
+        return modules[0] if modules else None
     return None
 
 
@@ -159,3 +179,11 @@ def with_block(text: str, block: str) -> str:
 def write_block(path: Path, block: str) -> None:
     """Write ``block`` into the doc at ``path`` (created if missing): see ``with_block``."""
     path.write_text(with_block(path.read_text() if path.exists() else "", block))
+
+
+def write_report(path: Path, report: str, command: str | None = None) -> None:
+    """A generator's whole report as a measured block of ``path``: a leading ``# title`` line stays
+    outside the block (it heads a new file; an existing file keeps its own)."""
+    title, _, body = report.partition("\n") if report.startswith("# ") else ("", "", report)
+    text = path.read_text() if path.exists() else (f"{title}\n" if title else "")
+    path.write_text(with_block(text, measured(body, command=command)))

@@ -45,6 +45,7 @@ from types import FrameType
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.serving import free_port
 from loadtest.hotspots import summarize, summarize_pstats
 
@@ -835,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.is_absolute():
             out = ROOT / out
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report)
+        generated_docs.write_report(out, report)
         print(f"written to {out}")
     return 0
 
