@@ -106,8 +106,11 @@ def module_of(command: str) -> str | None:
     return None
 
 
+DOCS = (":!docs", ":!README.md")  # what a run writes: never part of what it measures
+
+
 def tree() -> str:
-    """The commit the work tree is at (short), and whether it differs from it."""
+    """The commit the work tree is at (short), and whether its code differs from it (docs aside)."""
     try:
         head = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -116,7 +119,7 @@ def tree() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", ".", *DOCS],
             capture_output=True,
             text=True,
             check=True,
