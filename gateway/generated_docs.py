@@ -16,6 +16,7 @@ and several generators' blocks; tests/test_docs.py checks every block names a co
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import subprocess
@@ -129,6 +130,12 @@ def tree() -> str:
     return f"{head} + uncommitted changes" if dirty else head
 
 
+@functools.cache
+def started_tree() -> str:
+    """The tree at this process's first call (a generator makes it before it runs): the code measured."""
+    return tree()
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
@@ -151,7 +158,7 @@ def measured(
     fields = {
         "command": command or this_command(),
         "date": at or now(),
-        "tree": tree_ or tree(),
+        "tree": tree_ or started_tree(),
         "load": load(),
     }
     said = (

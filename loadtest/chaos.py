@@ -1270,6 +1270,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/chaos.md"))
     args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
     if args.sample_every > 5:
         parser.error("--sample-every must be at most 5 (the issue asks for at least one in five)")
     loop_main = main_async(args)

@@ -647,6 +647,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     if args.command == "stubs":
         asyncio.run(serve_stubs(args.port, args.chunks, args.chunk_delay))
         return 0

@@ -172,6 +172,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
         workdir = Path(tmp)

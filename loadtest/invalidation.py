@@ -256,7 +256,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/invalidation.md"))
     parser.add_argument("--plot", type=Path, default=Path("docs/invalidation.png"))
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="write the tables into this doc's generated block")
     args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
     factory = old_metrics(args.before)
     lines: list[str] = []
 

@@ -477,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     args = parser.parse_args(argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     if min(args.replicas) < 1 or args.requests < 1:
         parser.error("--replicas and --requests must be positive")
     cfg = Config(

@@ -743,6 +743,7 @@ def _signals_exit() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     env = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": _command(raw_argv),

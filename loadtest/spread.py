@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER
 from gateway.serving import free_port
 from gateway.vllm_process import VllmReplicaSpec, start_replicas
@@ -189,7 +190,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--burst-seconds", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=Path("docs/chaos.md"))
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    asyncio.run(main_async(args))
     sys.exit(0)
 
 

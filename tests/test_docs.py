@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.generated_docs import END, START, blocks, measured
+from gateway.generated_docs import END, START, blocks, measured, write_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -198,3 +198,18 @@ def test_the_path_and_link_checks_catch_what_moved(tmp_path: Path) -> None:
         "page.md: names gateway/routing.py, which does not exist",
         "page.md: names gateway.proxy.cache_salt, and no gateway module of that name exists",
     ]
+
+
+def test_a_generator_replaces_its_own_block_and_keeps_the_prose(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    old = f"{START} | command: make loadtest-scale | date: not recorded | tree: not recorded -->\nold\n{END}"
+    doc.write_text(f"# Title\n\nprose before\n\n{old}\n\nprose after\n")
+    write_block(doc, measured("new", command=".venv/bin/python -m loadtest.scale --ids 3"))
+    write_block(doc, measured("spread", command=".venv/bin/python -m loadtest.spread --rounds 1"))
+    text = doc.read_text()
+    assert [b.command for b in blocks(text)] == [
+        ".venv/bin/python -m loadtest.scale --ids 3",
+        ".venv/bin/python -m loadtest.spread --rounds 1",
+    ]
+    assert "old" not in text
+    assert text.index("prose before") < text.index("new") < text.index("prose after") < text.index("spread")
