@@ -57,12 +57,17 @@ def command_problems(command: str) -> list[str]:
     return [f"neither `make TARGET` nor `python -m MODULE`: {command}"]
 
 
+OTHER_MARKER = re.compile(  # an old kind of marker: chaos:start, settings-table:end, "Generated from ..."
+    r"^<!--\s*(?:[\w-]+:(?:start|end)|[Gg]enerated\b(?!-(?:start|end)\b)).*", re.MULTILINE
+)
+
+
 def block_problems(text: str) -> list[str]:
     try:
         found = blocks(text)
     except ValueError as exc:
         return [str(exc)]
-    problems = []
+    problems = [f"a marker not in the one format: {m.group(0)[:60]}" for m in OTHER_MARKER.finditer(text)]
     for block in found:
         where = f"block of line {block.line}"
         problems += [f"{where}: {p}" for p in command_problems(block.command)]
@@ -172,6 +177,7 @@ def test_every_benchmark_page_is_linked_from_the_benchmarks_page() -> None:
         (f"{START} | command: make test | checked: tests/test_gone.py -->\nx\n{END}\n", "does not exist"),
         (f"{START} | command: make test | checked: tests/test_docs.py -->\nx\n", "without"),
         (f"x\n{END}\n", "without a start"),
+        ("<!-- chaos:start -->\nx\n<!-- chaos:end -->\n", "not in the one format"),
     ],
 )  # fmt: skip
 def test_the_check_refuses_a_block_without_a_real_command(text: str, problem: str) -> None:
