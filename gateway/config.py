@@ -6,10 +6,10 @@ The config file is named by ``--config`` or ``KVGATE_CONFIG``; its keys are the 
 Each field's docstring is its description, and the model is the one list of settings: each field is a
 flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by its annotation, and a
 ``KVGATE_FIELD_NAME`` variable. ``serve`` takes every setting; the other commands take the ones they use
-(``settings_table.setting_names``). The README's settings table is generated from it too, by
-``gateway/settings_table.py``; after changing a setting::
+(``settings_table.setting_names``). docs/configuration.md is generated from it too, by
+``gateway/config_reference.py``; after changing a setting::
 
-    python -m gateway.settings_table --write README.md   # --check README.md: exit 1 if it drifted
+    python -m gateway.config_reference --write docs/configuration.md   # --check: exit 1 if it drifted
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     """Holds the embedded Redis (its data and socket)."""
     redis_url: str | None = None
     """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
-    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (README: Redis)."""
+    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (docs/redis.md)."""
     redis_ack_timeout: float = Field(1.0, ge=0)
     """Seconds publish, rollback and bump wait for one Redis replica to acknowledge their write (``WAIT``),
     when the master has replicas; 0: do not wait; at most half of redis_timeout."""
