@@ -31,6 +31,7 @@ from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
+from gateway.fleet.kv_follower import follow_events, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
@@ -46,7 +47,7 @@ from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
-from gateway.serving import EDGE, EdgeLimits
+from gateway.serving import EDGE, EdgeLimits, session_timeout
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
@@ -78,19 +79,6 @@ CALLERS = web.AppKey("callers", Callers)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
-
-
-def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
-    """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
-
-    The connector has no pool limit (the replicas' limit is kvgate's own, ``Replica.connection``), so
-    ``connect`` never includes a wait for a pooled connection: it is DNS and the TCP connect alone."""
-    return aiohttp.ClientTimeout(
-        total=None,
-        connect=settings.connect_timeout,
-        sock_connect=settings.connect_timeout,
-        sock_read=settings.read_timeout,
-    )
 
 
 def build_app(
@@ -130,6 +118,7 @@ def build_app(
     app.cleanup_ctx.append(_sweeper)
     app.cleanup_ctx.append(_canary)
     app.cleanup_ctx.append(_purger)
+    app.cleanup_ctx.append(_kv_followers)
 
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
     def proxy_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -230,7 +219,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
-        scheduler = Scheduler(settings.prefix_index_entries, budget=settings.max_adapters_per_replica)
+        precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        scheduler = Scheduler(
+            settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
+        )
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
@@ -245,6 +237,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_body_bytes=settings.max_body_bytes,
             namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
             expose_replica_urls=settings.expose_replica_urls,
+            tokens=tokens,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
@@ -347,4 +340,10 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
         app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
     )
     async with _background(periodically(interval, canary.run_round)):
+        yield
+
+
+async def _kv_followers(app: web.Application) -> AsyncIterator[None]:
+    precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
+    async with follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER)):
         yield

@@ -37,6 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -277,3 +278,16 @@ def _refuse(address: str, cap: int) -> Callable[[web.BaseRequest], Awaitable[web
         return response
 
     return refuse
+
+
+def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
+    """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
+
+    The connector has no pool limit (the replicas' limit is kvgate's own, ``Replica.connection``), so
+    ``connect`` never includes a wait for a pooled connection: it is DNS and the TCP connect alone."""
+    return aiohttp.ClientTimeout(
+        total=None,
+        connect=settings.connect_timeout,
+        sock_connect=settings.connect_timeout,
+        sock_read=settings.read_timeout,
+    )
