@@ -20,13 +20,14 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from gateway.core.errors import MalformedEvent
 from gateway.core.kv_events import BlockStored, decode_message
 from gateway.core.kv_index import PreciseIndex, block_keys
 from gateway.fleet.kv_follower import Endpoints, KvFollower, endpoints_from_sources, parse_endpoint_setting
 from gateway.fleet.replicas import Replica
-from gateway.serving import free_port
+from gateway.serving import free_port, running
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import eventually
 
@@ -181,3 +182,50 @@ async def test_a_sequence_going_back_or_a_restart_empties_the_view() -> None:
         f.replica.restarted("test")  # kvgate saw the replica restart
         await eventually(lambda: f.index.blocks(URL) == 0, "the view is emptied on a restart")
         assert f.count("kvgate_kv_view_resets_total", reason="replica restarted") == 1
+
+
+async def test_a_replica_without_event_sources_is_retried_until_it_has_them() -> None:
+    """Discovery failures (a 404, then an answer with events off) are counted; the loop goes on and
+    follows the publisher once /kv_event_sources names it (``*`` is the replica's own host)."""
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    answers: list[web.Response] = [
+        web.Response(status=404),
+        web.json_response({"0": {"enable_kv_cache_events": False}}),
+    ]
+
+    async def sources(request: web.Request) -> web.Response:
+        if answers:
+            return answers.pop(0)
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "topic": "kv",
+        }
+        return web.json_response({"0": config})
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", sources)
+    index, metrics = PreciseIndex(100), Metrics()
+    async with running(app) as url, aiohttp.ClientSession() as session:
+        replica = Replica(url)
+        follower = KvFollower(replica, index, session, metrics, context)
+        task = asyncio.create_task(follower.run())
+        try:
+            assert await pub.poll(20_000), "the follower subscribed in the end"
+            assert await pub.recv() == b"\x01kv"
+            assert (
+                metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", {"replica": url})
+                == 2
+            )
+            await pub.send_multipart(captured("map_frames.json")[0])
+            await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            context.term()

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 SOURCES_PATH = "/kv_event_sources"
 POLL_MS = 500  # how often the loop looks up from the socket (a replica restart, a cancellation)
 REPLAY_TIMEOUT_S = 2.0
-RETRY_S = 2.0
+RETRY_S = 2.0  # the first pause after a failure; it doubles while failures repeat, up to MAX_RETRY_S
+MAX_RETRY_S = 30.0
 _END_SEQ = -1
 
 
@@ -122,6 +123,7 @@ class KvFollower:
         self.expected: int | None = None  # the next sequence number; None until a batch arrived
         self.incarnation = replica.incarnation
         self.connected = False
+        self.retry = RETRY_S
 
     def cleared(self, reason: str) -> None:
         """Empty this replica's view (it restarted, was purged, or events were lost)."""
@@ -135,13 +137,14 @@ class KvFollower:
                 await self._follow()
             except Exception as exc:  # any failure of one replica's stream: counted, the loop goes on
                 raise_if_cancelling(exc)
-                log.warning("KV events of %s: %s (retrying in %.0f s)", self.replica.url, exc, RETRY_S)
+                log.warning("KV events of %s: %s (retrying in %.0f s)", self.replica.url, exc, self.retry)
                 self.metrics.kv_event_errors.labels(self.replica.url).inc()
             if self.connected:
                 self.cleared("stream lost")
             self.connected = False
             self.expected = None
-            await asyncio.sleep(RETRY_S)
+            await asyncio.sleep(self.retry)
+            self.retry = min(self.retry * 2, MAX_RETRY_S)
 
     async def _follow(self) -> None:
         self.endpoints = self.configured or await self._discover()
@@ -206,6 +209,7 @@ class KvFollower:
         self.index.apply(url, batch.events)
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
         self.expected = batch.seq + 1
+        self.retry = RETRY_S
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Batches ``start`` .. ``stop - 1`` from the replay socket, applied in order; False when there is

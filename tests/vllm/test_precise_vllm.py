@@ -223,3 +223,42 @@ async def test_a_replica_restart_empties_its_view_and_it_is_learned_again(
         await eventually(
             lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned again"
         )
+
+
+async def test_a_purge_kvgate_made_empties_the_view_at_once_and_stops_attracting_requests(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    fixture_dir: Path,
+) -> None:
+    store, redis_url = tmp_path / "store", redis_server.url
+    await kvgate_json(
+        "publish", "precise-p", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    replica, text = vllm_replicas[0], prompt("purge")
+    async with make_gateway(**precise(fixture_dir), invalidation="purge-all") as gateway:
+        metrics = gateway.metrics
+        await asyncio.sleep(1.0)
+        await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(replica))
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned"
+        )
+        assert (await complete(http, gateway.url, "base", text, max_tokens=1)).cached_tokens >= 3 * BLOCK
+        await kvgate_json(
+            "publish", "precise-p", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+        )  # an epoch change: purge-all resets every replica's prefix cache
+        await eventually(
+            lambda: (
+                sample(metrics, "kvgate_kv_view_resets_total", replica=replica.url, reason="purged by kvgate")
+                >= 1
+            ),
+            "kvgate's purge emptied its view of the replica",
+            within=30,
+        )
+        assert sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) == 0
+        precise_before = sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise")
+        after = await complete(http, gateway.url, "base", text, max_tokens=1)
+        assert after.cached_tokens == 0  # the purge was real
+        assert sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise") == precise_before
