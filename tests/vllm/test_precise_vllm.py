@@ -101,6 +101,12 @@ async def test_events_arrive_decode_and_a_version_never_counts_for_another(
         )
         assert sample(metrics, "kvgate_kv_events_total", replica=replica.url, kind="BlockStored") >= 1
         assert sample(metrics, "kvgate_kv_events_malformed_total", replica=replica.url) == 0
+        async with http.get(
+            f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        ) as response:
+            shown = (await response.json())["kv_events"][replica.url]
+        assert shown["blocks"] >= 3
+        assert shown["events"] >= 1
         warm = await complete(http, gateway.url, "precise-v", text, max_tokens=2)
         assert warm.evidence[REPLICA_HEADER] == replica.url
         assert warm.cached_tokens >= 3 * BLOCK
