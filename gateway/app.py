@@ -30,8 +30,9 @@ from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
-from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
+from gateway.fleet.base_prints import BasePrints, mismatch_report
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
+from gateway.fleet.kv_follower import follow_events, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
@@ -113,14 +114,10 @@ def build_app(
     app[DRAIN] = Drain()
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
-    app.cleanup_ctx.append(_components)
-    app.cleanup_ctx.append(_snapshot_sync)
-    app.cleanup_ctx.append(_caller_sync)
-    app.cleanup_ctx.append(_replica_poller)
-    app.cleanup_ctx.append(_lease_heartbeat)
-    app.cleanup_ctx.append(_sweeper)
-    app.cleanup_ctx.append(_canary)
-    app.cleanup_ctx.append(_purger)
+    for component in (_components, _snapshot_sync, _caller_sync, _replica_poller, _lease_heartbeat):
+        app.cleanup_ctx.append(component)
+    for component in (_sweeper, _canary, _purger, _kv_followers):
+        app.cleanup_ctx.append(component)
 
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
     def proxy_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -199,7 +196,13 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_connections=settings.max_connections_per_replica,
             pool_wait=settings.pool_wait_timeout,
         )
-        app[BASE_PRINTS] = _base_prints(app)
+        app[BASE_PRINTS] = BasePrints(
+            app[POOL],
+            floor=settings.base_print_tolerance,
+            model_dirs=settings.base_model_dir_map,
+            bytes_=BaseBytes(settings.data_dir / BASE_DIGESTS_FILE),
+        )
+        app[BASE_PRINTS].watch(app[METRICS], app[SNAPSHOT])
         pool, snapshot = app[POOL], app[SNAPSHOT]
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
@@ -226,7 +229,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             metrics=app[METRICS],
             tracer=app[TRACER],
         )
-        scheduler = Scheduler(settings.prefix_index_entries, budget=settings.max_adapters_per_replica)
+        precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        scheduler = Scheduler(
+            settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
+        )
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
@@ -241,6 +247,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_body_bytes=settings.max_body_bytes,
             namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
             expose_replica_urls=settings.expose_replica_urls,
+            tokens=tokens,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
@@ -286,24 +293,6 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _base_prints(app: web.Application) -> BasePrints:
-    """Every replica's base fingerprints, with their metrics: changes, and versions each may not serve."""
-    settings, pool, metrics, snapshot = app[SETTINGS], app[POOL], app[METRICS], app[SNAPSHOT]
-    for replica in pool.replicas:
-        metrics.base_mismatched.labels(replica.url).set_function(
-            functools.partial(lambda r: len(mismatched(pool, r, snapshot)), replica)
-        )
-    prints = BasePrints(
-        pool,
-        floor=settings.base_print_tolerance,
-        model_dirs=settings.base_model_dir_map,
-        bytes_=BaseBytes(settings.data_dir / BASE_DIGESTS_FILE),
-        on_change=lambda replica: metrics.base_print_changes.labels(replica.url).inc(),
-    )
-    pool.after_restart = prints.check
-    return prints
-
-
 async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
     pool, prints, interval = app[POOL], app[BASE_PRINTS], app[SETTINGS].poll_interval
     await pool.refresh_all()
@@ -346,4 +335,11 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     )
     rounds = functools.partial(periodically, interval, canary.run_round)
     async with app[SUPERVISOR].run("canary", rounds, period=interval):
+        yield
+
+
+async def _kv_followers(app: web.Application) -> AsyncIterator[None]:
+    precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
+    followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
+    async with followers:
         yield

@@ -134,6 +134,19 @@ class Settings(BaseSettings):
     """Seconds a load lock lives in Redis; must exceed load_timeout, or a second kvgate could load too."""
     prefix_index_entries: int = Field(100_000, ge=0)
     """Prefix block keys remembered (LRU) for routing warm requests to the replica that holds them."""
+    kv_events: bool = False
+    """Follow each replica's KV cache events (vLLM ``--kv-events-config``; the endpoint from its
+    /kv_event_sources) and route on the blocks replicas report holding; needs ``tokenizer``."""
+    kv_event_endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``REPLICA_URL=tcp://HOST:PORT[|REPLAY_ENDPOINT]``: a replica's KV event publisher (and replay
+    socket), instead of what it reports at /kv_event_sources (flag: repeat it; environment:
+    comma-separated)."""
+    precise_index_entries: int = Field(1_000_000, ge=0)
+    """Token blocks the precise prefix index (KV events) holds over all replicas; past it, the largest
+    replica view loses its oldest blocks."""
+    tokenizer: Path | None = None
+    """The base model's ``tokenizer.json`` or model directory (with its chat template): prompts are
+    tokenized in kvgate, keyed like the blocks replicas report (``kv_events``)."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
     max_adapter_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
@@ -163,6 +176,24 @@ class Settings(BaseSettings):
         if isinstance(value, list):
             return [str(url).strip().rstrip("/") for url in value]
         return value
+
+    @field_validator("kv_event_endpoints", mode="before")
+    @classmethod
+    def _split_event_endpoints(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        for entry in value if isinstance(value, list) else []:
+            url, _, endpoint = str(entry).partition("=")
+            if not url or not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"kv_event_endpoints entries are REPLICA_URL=tcp://HOST:PORT, not {entry!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _precise_needs_tokens(self) -> Self:
+        """``kv_events`` needs ``tokenizer``: blocks are matched by the tokens of the prompt."""
+        if self.kv_events and self.tokenizer is None:
+            raise ValueError("kv_events needs tokenizer (the base model's tokenizer.json or model directory)")
+        return self
 
     @field_validator("base_model_dirs", mode="before")
     @classmethod

@@ -89,6 +89,10 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "load_timeout": ("30", 30.0),
     "lock_ttl": ("45", 45.0),
     "prefix_index_entries": ("10", 10),
+    "kv_events": ("", True),
+    "kv_event_endpoints": ("http://r0:8000=tcp://h:5557", ["http://r0:8000=tcp://h:5557"]),
+    "precise_index_entries": ("10", 10),
+    "tokenizer": ("/models/llama/tokenizer.json", Path("/models/llama/tokenizer.json")),
     "canary_interval": ("7", 7.0),
     "redis_timeout": ("2.5", 2.5),
     "max_adapter_bytes": ("4096", 4096),
@@ -133,6 +137,14 @@ def test_api_keys_must_outlive_a_reconcile_and_the_admin_listener_is_a_second_on
     with pytest.raises(ValidationError, match="admin_port"):
         Settings(port=8080, admin_port=8080)
     assert Settings(port=0, admin_port=0).admin_port == 0  # two free ports
+
+
+def test_kv_events_need_the_tokenizer_and_endpoints_are_url_equals_endpoint() -> None:
+    with pytest.raises(ValidationError, match="kv_events needs tokenizer"):
+        Settings(kv_events=True)
+    assert Settings(kv_events=True, tokenizer=Path("/m")).kv_events
+    with pytest.raises(ValidationError, match="REPLICA_URL=tcp://HOST:PORT"):
+        Settings(kv_event_endpoints=["http://r0:8000"])
 
 
 def test_every_setting_is_a_serve_flag_that_sets_it() -> None:

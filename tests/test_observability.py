@@ -67,5 +67,6 @@ async def test_every_decision_observes_its_predicted_prefix_match(
                     assert response.status == 200
             async with http.get(f"{url}/metrics") as response:
                 text = await response.text()
-    assert "kvgate_prefix_matched_blocks_count 2.0" in text
-    assert "kvgate_prefix_matched_blocks_sum 4.0" in text
+    assert 'kvgate_prefix_matched_blocks_count{source="none"} 1.0' in text  # the load
+    assert 'kvgate_prefix_matched_blocks_count{source="predicted"} 1.0' in text
+    assert 'kvgate_prefix_matched_blocks_sum{source="predicted"} 4.0' in text

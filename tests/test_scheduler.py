@@ -7,6 +7,8 @@ import itertools
 import pytest
 
 from gateway.core.errors import NoEligibleReplica
+from gateway.core.kv_events import BlockStored
+from gateway.core.kv_index import PreciseIndex
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
 from gateway.core.scheduler import Scheduler, evictions, within_bound
@@ -149,3 +151,61 @@ def test_a_hot_version_spreads_to_an_idle_replica_with_room() -> None:
     idle.listing = AdapterListing("base", "/m", {f"other@{i}": "/x" for i in range(2)})
     stays = scheduler.decide(pool, target())
     assert (stays.replica, stays.action) == (holder, "serve"), "no replica with room: the holder serves"
+
+
+# --- the precise index (KV events) first, then the predicted one, then load ----------------------
+
+TOKENS = tuple(range(1000, 1000 + 4 * 128 + 7))
+
+
+def precise_target(version: VersionState | None = VERSION, salt: str = "kvg-a") -> Target:
+    return Target("t", "base", version, salt, block_keys(salt, TEXT), tokens=TOKENS)
+
+
+def stored(namespace: tuple[str | None, str | None], blocks: int, first_hash: int = 1) -> BlockStored:
+    name, salt = namespace
+    extra = (tuple(x for x in (name, salt) if x), *([(name,) if name else None] * (blocks - 1)))
+    hashes = tuple(range(first_hash, first_hash + blocks))
+    return BlockStored(hashes, None, TOKENS[: blocks * 128], 128, name, extra)
+
+
+def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
+    pool = replicas(3)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
+    wanted = precise_target()
+    scheduler.served(wanted, pool[0])  # predicted: r0 holds the whole prompt
+    assert scheduler.precise is not None
+    scheduler.precise.apply(pool[1].url, [stored((VERSION.name, "kvg-a"), 2)])
+    scheduler.precise.apply(pool[2].url, [stored((VERSION.name, "kvg-a"), 4)])
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.reason, decision.prefix_source) == (pool[2], "prefix", "precise")
+    assert decision.matched_blocks == 4
+
+
+def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_stays() -> None:
+    pool = replicas(2)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
+    assert scheduler.precise is not None
+    scheduler.precise.apply(pool[1].url, [stored(("t@other", "kvg-a"), 4)])  # another version's blocks
+    scheduler.precise.apply(pool[1].url, [stored((VERSION.name, "kvg-client"), 4, first_hash=10)])
+    wanted = precise_target()
+    scheduler.served(wanted, pool[0])
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.prefix_source, decision.matched_blocks) == (
+        pool[0],
+        "predicted",
+        len(wanted.keys),
+    )
+    untokenized = Target("t", "base", VERSION, "kvg-a", [])
+    assert scheduler.decide(pool, untokenized).prefix_source == "none"
+
+
+def test_a_precise_holder_over_its_bound_is_passed_over() -> None:
+    pool = replicas(2)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
+    assert scheduler.precise is not None
+    scheduler.precise.apply(pool[0].url, [stored((VERSION.name, "kvg-a"), 4)])
+    for _ in range(4):
+        pool[0].begin("x")
+    decision = scheduler.decide(pool, precise_target())
+    assert (decision.replica, decision.reason, decision.prefix_source) == (pool[1], "least-loaded", "none")

@@ -253,3 +253,8 @@ class AuditError(KvgateError):
 class ReplicaStartError(KvgateError):
     """A replica kvgate starts itself (the demo, the tests) died or did not answer in time; the message
     ends with its log tail."""
+
+
+class MalformedEvent(KvgateError):
+    """A KV cache event (or the message carrying it) from a replica that is not what vLLM sends: counted
+    and skipped at the boundary (``core.kv_events``), never stopping the subscriber."""

@@ -47,3 +47,6 @@ class Target:
     salt: str | None  # the cache namespace the gateway sets (None: the server's default)
     keys: list[bytes]  # prefix block keys, seeded by the cache namespace
     base_print: str = ""  # the base fingerprint a replica must match ('' : any replica of the base)
+    tokens: tuple[
+        int, ...
+    ] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)

@@ -11,9 +11,10 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
   requests (unless that would drop them all).
 - scorers in [0, 1]: ``prefix_score`` (the share of the prompt's leading blocks a replica is known to
-  hold) and ``load_score``; ties between prefix holders go to a rendezvous hash of the first block key
-  and the replica, so a prefix that spilled onto several replicas keeps returning to one of them instead
-  of being spread by load (which would make every replica cache every tenant).
+  hold: first precisely, by its KV events (``core.kv_index``), then as predicted by where kvgate sent
+  prompts (``core.prefix``)) and ``load_score``; ties between prefix holders go to a rendezvous hash of
+  the first block key and the replica, so a prefix that spilled onto several replicas keeps returning
+  to one of them instead of being spread by load (which would make every replica cache every tenant).
 - pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties).
 
 When no replica of the right base holds the version, the decision is "load on the least-loaded one";
@@ -34,6 +35,7 @@ from blake3 import blake3
 
 from gateway.core.base_print import prints_match
 from gateway.core.errors import NoEligibleReplica
+from gateway.core.kv_index import Namespace, PreciseIndex, block_keys
 from gateway.core.model import Target
 from gateway.core.prefix import PrefixIndex
 
@@ -74,6 +76,7 @@ class Decision(Generic[R]):
     action: Action
     reason: str  # serve: "prefix" | "least-loaded" | "pinned"; load: "loaded" | "spread"
     matched_blocks: int = 0
+    prefix_source: str = "none"  # where matched_blocks comes from: "precise" (KV events) | "predicted"
 
 
 # --- filters ---------------------------------------------------------------------------------------
@@ -160,12 +163,15 @@ def decide(
     pin: str | None = None,
     matched: Callable[[R], int],
     budget: int,
+    precise: Callable[[R], int] | None = None,
 ) -> Decision[R]:
     """Serve on an eligible replica, or load the target's version on one of its base: because no
     replica holds it ("loaded"), or because every holder is over its bounded share ("spread").
 
-    ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is known to hold;
-    ``budget`` is the adapters a replica keeps loaded. Raises ``NoEligibleReplica`` when no healthy
+    ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is predicted to hold;
+    ``precise(r)``, when given, how many leading token blocks of the prompt its KV events say it holds:
+    the longest precise match within the bound wins, then the predicted one, then load. ``budget`` is
+    the adapters a replica keeps loaded. Raises ``NoEligibleReplica`` when no healthy
     replica (the pinned one, if pinned) serves the base.
     """
     of_base = pinned(serves_base(healthy(replicas), target.base, target.base_print), pin)
@@ -175,19 +181,35 @@ def decide(
     if not holders:
         return Decision(least_loaded(of_base), "load", "loaded")
     if pin is not None:
-        return Decision(holders[0], "serve", "pinned", matched(holders[0]))
+        return Decision(holders[0], "serve", "pinned", *_pinned_match(holders[0], matched, precise))
     spread = spread_target(of_base, holders, budget)
     if spread is not None:
         return Decision(spread, "load", "spread")
     allowed = within_bound(holders)
+    if precise is not None:
+        held = {r.url: precise(r) for r in allowed}
+        first = target.keys[0] if target.keys else target.logical_id.encode()
+        best = max(allowed, key=lambda r: (held[r.url], _rendezvous(first, r)))
+        if held[best.url]:
+            return Decision(best, "serve", "prefix", held[best.url], "precise")
     if target.keys:
         scores = {r.url: matched(r) for r in allowed}
         best = max(
             allowed, key=lambda r: (prefix_score(scores[r.url], target.keys), _rendezvous(target.keys[0], r))
         )
         if scores[best.url]:
-            return Decision(best, "serve", "prefix", scores[best.url])
+            return Decision(best, "serve", "prefix", scores[best.url], "predicted")
     return Decision(least_loaded(allowed), "serve", "least-loaded")
+
+
+def _pinned_match(
+    replica: R, matched: Callable[[R], int], precise: Callable[[R], int] | None
+) -> tuple[int, str]:
+    held = precise(replica) if precise is not None else 0
+    if held:
+        return held, "precise"
+    predicted = matched(replica)
+    return predicted, "predicted" if predicted else "none"
 
 
 def _nothing_serves(target: Target, pin: str | None) -> str:
@@ -212,17 +234,40 @@ def evictions(
 
 
 class Scheduler:
-    """``decide`` over the prefix index this scheduler owns; ``served`` records what a replica computed."""
+    """``decide`` over the prefix indexes this scheduler owns: the predicted one (``served`` records what
+    kvgate sent where) and, when KV events are followed, the precise one (``precise``, fed by
+    ``fleet.kv_follower``)."""
 
-    def __init__(self, index_entries: int, *, budget: int) -> None:
+    def __init__(self, index_entries: int, *, budget: int, precise: PreciseIndex | None = None) -> None:
         self.index = PrefixIndex(index_entries)
+        self.precise = precise
         self.budget = budget
 
     def decide(self, replicas: Sequence[R], target: Target, *, pin: str | None = None) -> Decision[R]:
         def matched(replica: R) -> int:
             return self.index.matched(target.keys, replica.url)
 
-        return decide(replicas, target, pin=pin, matched=matched, budget=self.budget)
+        held = self._precise_match(target)
+        return decide(replicas, target, pin=pin, matched=matched, budget=self.budget, precise=held)
+
+    def _precise_match(self, target: Target) -> Callable[[ReplicaView], int] | None:
+        """How many leading token blocks of the request a replica holds by its events (None: no tokens,
+        or no events followed). The request is keyed in the namespace its blocks will have there."""
+        index = self.precise
+        if index is None or not target.tokens:
+            return None
+        namespace: Namespace = (target.version.name if target.version is not None else None, target.salt)
+        keys: dict[int, list[bytes]] = {}
+
+        def held(replica: ReplicaView) -> int:
+            size = index.block_size(replica.url)
+            if size is None:
+                return 0
+            if size not in keys:
+                keys[size] = block_keys(namespace, target.tokens, size)
+            return index.matched(keys[size], replica.url)
+
+        return held
 
     def served(self, target: Target, replica: ReplicaView) -> None:
         if target.keys:

@@ -21,6 +21,7 @@ it is another base for them too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from gateway.core.wire import cold_salt
 from gateway.fleet.backends import BackendDialect, answers
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.replicas import Replica, ReplicaPool
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,16 @@ class BasePrints:
         self.bytes = bytes_
         self.on_change = on_change
         self.retry_unprintable = RETRY_UNPRINTABLE_S
+
+    def watch(self, metrics: Metrics, versions: Iterable[VersionState]) -> None:
+        """Report to ``metrics`` (print changes, and the versions each replica may not serve), and
+        fingerprint a replica again as soon as a refresh notices it restarted."""
+        for replica in self.pool.replicas:
+            metrics.base_mismatched.labels(replica.url).set_function(
+                functools.partial(lambda r: len(mismatched(self.pool, r, versions)), replica)
+            )
+        self.on_change = lambda replica: metrics.base_print_changes.labels(replica.url).inc()
+        self.pool.after_restart = self.check
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(replica) for replica in self.pool.healthy()))

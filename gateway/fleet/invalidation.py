@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -48,6 +49,8 @@ class PurgeAll:
         self.drain_grace = drain_grace
         self.attempts = attempts
         self._changed = asyncio.Event()
+        self.on_purged: Callable[[Replica], None] | None = None
+        """Called after a replica's cache was reset (the precise index empties its view of it)."""
 
     def changed(self, logical_id: str) -> None:
         """A snapshot hook: some logical ID moved to a new version or epoch."""
@@ -74,6 +77,8 @@ class PurgeAll:
             try:
                 if await self.pool.dialect.purge_prefix_cache(self.pool.session, replica.url):
                     self.metrics.purges.labels(replica.url, "purged").inc()
+                    if self.on_purged is not None:
+                        self.on_purged(replica)
                     return
             except (LoadFailed, aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("purge of %s failed: %s", replica.url, exc)

@@ -45,6 +45,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
+from gateway.fleet.tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
 from gateway.request import relay
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found
@@ -66,6 +67,7 @@ class ProxyOptions:
     max_body_bytes: int
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
+    tokens: PromptTokens | None = None  # the base model's tokenizer: precise prefix keys (KV events)
 
 
 class Proxy:
@@ -147,7 +149,7 @@ class Proxy:
             decision, reservation = await self.schedule(target, pin)
             _describe_decision(span, decision, target)
             self.metrics.routing.labels(decision.reason).inc()
-            self.metrics.prefix_matched_blocks.observe(decision.matched_blocks)
+            self.metrics.prefix_matched_blocks.labels(decision.prefix_source).observe(decision.matched_blocks)
             try:
                 return await self.forward(request, parsed, target, reservation, span, started)
             except VersionForgotten:
@@ -185,7 +187,7 @@ class Proxy:
                 raise not_found(model)
             base = self.options.base_identity if model == self.options.base_model else served_bases[model]
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
-            return Target(model, base, None, salt, [])
+            return Target(model, base, None, salt, [], tokens=self.tokens(parsed))
         version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
         if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
             raise not_found(parsed.model)  # or one the caller may not use, is never served
@@ -193,7 +195,20 @@ class Proxy:
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [], expected)
         salt = cache_salt(self.snapshot.generation, version)
-        return Target(parsed.model, version.base, version, salt, block_keys(salt, parsed.prompt), expected)
+        keys = block_keys(salt, parsed.prompt)
+        return Target(parsed.model, version.base, version, salt, keys, expected, self.tokens(parsed))
+
+    def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        """The prompt's tokens as the replica will see them, when kvgate has the tokenizer and follows
+        KV events (``request.tokens``); () otherwise, or when the request is not one it can reproduce."""
+        tokenizer = self.options.tokens
+        if tokenizer is None or self.scheduler.precise is None:
+            return ()
+        if parsed.route.path == COMPLETIONS:
+            return tokenizer.completion(parsed.body) or ()
+        if parsed.route.path == CHAT_COMPLETIONS:
+            return tokenizer.chat(parsed.body) or ()
+        return ()
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
@@ -282,6 +297,7 @@ def _describe_decision(span: Span, decision: Decision[Replica], target: Target) 
     span.set_attribute(attr.ROUTING, decision.reason)
     span.set_attribute(attr.MATCHED_BLOCKS, decision.matched_blocks)
     span.set_attribute(attr.PREDICTED_HIT, decision.matched_blocks > 0)
+    span.set_attribute(attr.PREFIX_SOURCE, decision.prefix_source)
     if target.version is not None:
         loaded = decision.replica.listing.adapters.get(target.version.name, "")
         span.set_attribute(attr.REPLICA_LOADED, loaded)

@@ -73,7 +73,32 @@ def operator_fields(metrics: Metrics, verdicts: Verdicts) -> dict[str, Any]:
     return {
         "usage": usage,
         "audits": {logical_id: dict(by_replica) for logical_id, by_replica in verdicts.items()},
+        "kv_events": kv_event_fields(metrics),
     }
+
+
+def kv_event_fields(metrics: Metrics) -> dict[str, dict[str, float]]:
+    """Per replica, what its KV events did (``fleet.kv_follower``; empty when ``kv_events`` is off): blocks
+    in its view, events, malformed ones, gaps, views emptied, follower failures, the last batch's lag."""
+    sources = {
+        "blocks": metrics.kv_view_blocks,
+        "events": metrics.kv_events,
+        "malformed": metrics.kv_event_malformed,
+        "gaps": metrics.kv_event_gaps,
+        "view_resets": metrics.kv_view_resets,
+        "follower_errors": metrics.kv_event_errors,
+        "lag_seconds": metrics.kv_event_lag,
+    }
+    fields: dict[str, dict[str, float]] = {}
+    for field, metric in sources.items():
+        for family in metric.collect():
+            for sample in family.samples:
+                replica = sample.labels.get("replica")
+                if replica is None or sample.name.endswith("_created"):
+                    continue
+                entry = fields.setdefault(replica, dict.fromkeys(sources, 0.0))
+                entry[field] += sample.value
+    return fields
 
 
 def _totals(counter: Counter) -> Mapping[str, float]:

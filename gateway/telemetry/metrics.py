@@ -56,8 +56,46 @@ class Metrics:
             "kvgate_routing_decisions", "How a replica was chosen", ["decision"], registry=r
         )
         self.prefix_matched_blocks = Histogram(
-            "kvgate_prefix_matched_blocks", "Leading prompt blocks the chosen replica was predicted to hold",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r,
+            "kvgate_prefix_matched_blocks",
+            "Leading prompt blocks the chosen replica holds: by its KV events (precise) or by where kvgate "
+            "sent prompts (predicted; blocks of 256 characters)",
+            ["source"], buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r,
+        )  # fmt: skip
+        self.kv_events = Counter(
+            "kvgate_kv_events",
+            "KV cache events received from a replica, by kind",
+            ["replica", "kind"],
+            registry=r,
+        )
+        self.kv_event_malformed = Counter(
+            "kvgate_kv_events_malformed", "KV event messages or events that did not decode (skipped)",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.kv_event_gaps = Counter(
+            "kvgate_kv_event_gaps",
+            "Sequence gaps (or restarts) in a replica's KV events",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "kvgate_kv_event_replays", "Gap repairs through the replica's replay socket, by outcome",
+            ["replica", "outcome"], registry=r,
+        )  # fmt: skip
+        self.kv_view_resets = Counter(
+            "kvgate_kv_view_resets", "Times a replica's precise view was emptied, by reason",
+            ["replica", "reason"], registry=r,
+        )  # fmt: skip
+        self.kv_event_lag = Gauge(
+            "kvgate_kv_event_lag_seconds", "Age of the last KV event batch from a replica when received",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.kv_view_blocks = Gauge(
+            "kvgate_kv_view_blocks", "Token blocks a replica holds by its KV events (the precise index)",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.kv_event_errors = Counter(
+            "kvgate_kv_event_follower_errors", "KV event follower failures (restarted after a pause)",
+            ["replica"], registry=r,
         )  # fmt: skip
         self.loads = Counter(
             "kvgate_adapter_loads", "Adapter loads, by the scheduler's reason (loaded: a miss; spread: hot)",

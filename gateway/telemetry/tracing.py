@@ -37,6 +37,7 @@ ROUTING = "kvgate.routing.decision"
 BLOCK_KEY = "kvgate.prefix.block_key"
 MATCHED_BLOCKS = "kvgate.prefix.matched_blocks"
 PREDICTED_HIT = "kvgate.prefix.predicted_hit"
+PREFIX_SOURCE = "kvgate.prefix.source"  # where matched_blocks comes from: precise | predicted | none
 CACHED_TOKENS = "kvgate.backend.cached_tokens"
 OUTCOME = "kvgate.outcome"
 UNLOAD_REASON = "kvgate.unload.reason"

@@ -45,6 +45,19 @@ def fixture_dir() -> Path:
     return _required_path("KVGATE_FIXTURE_DIR")
 
 
+def kv_events_args() -> tuple[str, ...]:
+    """vLLM's KV cache events on a port of its own (a wildcard endpoint: vLLM binds it, kvgate finds it at
+    /kv_event_sources), with a replay socket; tests/vllm/test_precise_vllm.py follows them."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
+        "topic": "kv",
+    }
+    return ("--kv-events-config", json.dumps(config))
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_replicas(
     fixture_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -52,7 +65,10 @@ async def vllm_replicas(
     python = _required_path("KVGATE_VLLM_PYTHON")
     logs = tmp_path_factory.mktemp("vllm-logs")
     specs = [
-        VllmReplicaSpec(python, fixture_dir / "model", free_port(), logs / f"replica-{i}.log") for i in (0, 1)
+        VllmReplicaSpec(
+            python, fixture_dir / "model", free_port(), logs / f"replica-{i}.log", extra_args=kv_events_args()
+        )
+        for i in (0, 1)
     ]
     replicas = await start_replicas(specs)
     try:

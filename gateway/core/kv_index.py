@@ -1,0 +1,226 @@
+"""The precise prefix index: which replica holds which token blocks, learned from vLLM's KV events. Pure.
+
+Blocks are keyed like the cache keys them, but by kvgate: chained blake3 keys over each block's token ids,
+seeded by the namespace the block was computed in, ``(lora_name, cache_salt)`` (``block_keys``). vLLM's
+own block hashes come from a per-process seed and are never reproduced here; each replica's view maps
+vLLM's hash to kvgate's key, which is how ``BlockRemoved`` finds what to drop. A request is keyed the same
+way from its tokens, its versioned adapter name and the salt kvgate gives it, so:
+
+- blocks of one version never count for another (the versioned name is in the seed);
+- blocks of a salt kvgate did not give (a client's own traffic straight to a replica) count for nobody:
+  no request kvgate keys has that salt;
+- blocks kvgate cannot key from tokens alone (multimodal or prompt-embedding extra keys) are skipped.
+
+Each replica has its own view, emptied on its restart, an ``AllBlocksCleared``, a purge kvgate made or
+an event gap (``clear``). The index holds at most ``capacity`` blocks over all views; past that the
+largest view loses its oldest blocks first (``loadtest/precise_index_memory.py`` measures the bytes).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+from gateway.core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+
+KEY_BYTES = 16
+MAX_BLOCKS = 2048  # bounds the hashing work per request (256K tokens at vLLM's CPU block size)
+_SEED = b"kvgate-precise\0"
+
+Namespace = tuple[str | None, str | None]  # (lora_name, cache_salt); (None, None): the base, unsalted
+
+
+def seed(namespace: Namespace) -> bytes:
+    name, salt = namespace
+    parts = (
+        (b"-" if name is None else b"n" + name.encode())
+        + b"\0"
+        + (b"-" if salt is None else b"s" + salt.encode())
+    )
+    return blake3(_SEED + parts).digest(KEY_BYTES)
+
+
+def block_keys(
+    namespace: Namespace, tokens: Sequence[int], block_size: int, *, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained keys of every full block of ``tokens``: key[i] depends on the namespace and blocks 0..i
+    (or on ``parent``, the key of the block before the first, for a chain that continues one)."""
+    keys: list[bytes] = []
+    previous = seed(namespace) if parent is None else parent
+    for i in range(min(len(tokens) // block_size, MAX_BLOCKS)):
+        chunk = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        previous = blake3(previous + chunk).digest(KEY_BYTES)
+        keys.append(previous)
+    return keys
+
+
+def stored_namespace(event: BlockStored) -> Namespace | None:
+    """The namespace of a chain's first block: its ``lora_name`` and the salt in its extra keys (the
+    entry holds the LoRA name first when there is one, then the salt). None when the entry holds
+    something else too (multimodal or prompt-embedding keys: not keyable from tokens)."""
+    entry = event.extra_keys[0] if event.extra_keys else None
+    rest = list(entry or ())
+    if event.lora_name is not None and rest and rest[0] == event.lora_name:
+        rest.pop(0)
+    if not rest:
+        return (event.lora_name, None)
+    if len(rest) == 1 and isinstance(rest[0], str):
+        return (event.lora_name, rest[0])
+    return None
+
+
+def _keyable_blocks(event: BlockStored) -> int:
+    """How many of the event's blocks are keyed by tokens alone: extra keys past the first block may
+    hold the LoRA name and nothing else."""
+    if not event.extra_keys:
+        return len(event.block_hashes)
+    for i, entry in enumerate(event.extra_keys[1:], start=1):
+        if entry and (len(entry) > 1 or entry[0] != event.lora_name):
+            return i
+    return len(event.block_hashes)
+
+
+@dataclass(slots=True)
+class Applied:
+    """What one batch did to a view."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    skipped: int = 0  # blocks not keyed: unknown parent, extra keys kvgate cannot reproduce
+
+
+class _View:
+    __slots__ = ("block_size", "by_hash", "holds")
+
+    def __init__(self) -> None:
+        self.by_hash: OrderedDict[BlockHash, bytes] = (
+            OrderedDict()
+        )  # vLLM's hash -> kvgate's key, oldest first
+        self.holds: dict[bytes, int] = {}  # kvgate's key -> how many of vLLM's blocks carry it here
+        self.block_size: int | None = None
+
+    def add(self, block_hash: BlockHash, key: bytes) -> bool:
+        old = self.by_hash.get(block_hash)
+        if old is not None:
+            self.by_hash.move_to_end(block_hash)
+            if old == key:
+                return False
+            self._release(old)
+        self.by_hash[block_hash] = key
+        self.holds[key] = self.holds.get(key, 0) + 1
+        return old is None
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        key = self.by_hash.pop(block_hash, None)
+        if key is None:
+            return False
+        self._release(key)
+        return True
+
+    def pop_oldest(self) -> None:
+        _, key = self.by_hash.popitem(last=False)
+        self._release(key)
+
+    def _release(self, key: bytes) -> None:
+        count = self.holds[key] - 1
+        if count:
+            self.holds[key] = count
+        else:
+            del self.holds[key]
+
+
+class PreciseIndex:
+    """Per-replica views of the blocks each replica holds, bounded to ``capacity`` blocks in all."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._views: dict[str, _View] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def blocks(self, replica: str) -> int:
+        view = self._views.get(replica)
+        return len(view.by_hash) if view else 0
+
+    def block_size(self, replica: str) -> int | None:
+        view = self._views.get(replica)
+        return view.block_size if view else None
+
+    def block_sizes(self) -> set[int]:
+        return {v.block_size for v in self._views.values() if v.block_size is not None}
+
+    def matched(self, keys: Sequence[bytes], replica: str) -> int:
+        """How many leading blocks of ``keys`` the replica holds (by its events)."""
+        view = self._views.get(replica)
+        if view is None:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in view.holds:
+                break
+            count += 1
+        return count
+
+    def clear(self, replica: str) -> None:
+        """Empty one replica's view: it restarted, cleared its cache, was purged, or events were lost."""
+        view = self._views.pop(replica, None)
+        if view is not None:
+            self._size -= len(view.by_hash)
+
+    def apply(self, replica: str, events: Iterable[Event]) -> Applied:
+        view = self._views.get(replica)
+        if view is None:
+            view = self._views[replica] = _View()
+        applied = Applied()
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(view, event, applied)
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    if view.remove(block_hash):
+                        self._size -= 1
+                        applied.removed += 1
+            elif isinstance(event, AllBlocksCleared):
+                self._size -= len(view.by_hash)
+                view.by_hash.clear()
+                view.holds.clear()
+                applied.cleared += 1
+        self._shrink()
+        return applied
+
+    def _store(self, view: _View, event: BlockStored, applied: Applied) -> None:
+        view.block_size = event.block_size
+        keyable = _keyable_blocks(event)
+        if event.parent_block_hash is None:
+            namespace = stored_namespace(event)
+            parent = None
+            if namespace is None:
+                applied.skipped += len(event.block_hashes)
+                return
+        else:
+            namespace = (None, None)
+            parent = view.by_hash.get(event.parent_block_hash)
+            if parent is None:  # its chain's start was never seen (or was dropped): not keyable
+                applied.skipped += len(event.block_hashes)
+                return
+        keys = block_keys(
+            namespace, event.token_ids[: keyable * event.block_size], event.block_size, parent=parent
+        )
+        for block_hash, key in zip(event.block_hashes, keys, strict=False):
+            if view.add(block_hash, key):
+                self._size += 1
+            applied.stored += 1
+        applied.skipped += len(event.block_hashes) - len(keys)
+
+    def _shrink(self) -> None:
+        while self._size > self.capacity:
+            largest = max(self._views.values(), key=lambda v: len(v.by_hash))
+            largest.pop_oldest()
+            self._size -= 1

@@ -1,0 +1,270 @@
+"""Precise prefix routing on the two real vLLM replicas, which publish their KV cache events
+(``--kv-events-config`` in the session fixture): events arrive and decode, kvgate's tokens equal the
+replica's ``/tokenize``, a second kvgate (a ``kvgate serve`` child process) routes a prompt warmed
+through the first to the replica that holds it, with a cache hit, v1's blocks never count for v2, and a
+replica restart empties its view (and it is learned again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER, VERSION_HEADER
+from gateway.fleet.tokens import PromptTokens
+from gateway.proof.experiment import complete, long_prompt
+from gateway.table.redis_server import EmbeddedRedis
+from gateway.telemetry.metrics import Metrics
+from gateway.vllm_process import VllmProcess
+from tests.conftest import eventually
+from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
+from tests.vllm.test_fleet_vllm import kvgate_process
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
+BLOCK = 128  # vLLM's KV block on the CPU build
+
+
+def pin(replica: VllmProcess) -> dict[str, str]:
+    return {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+
+
+def precise(fixture_dir: Path) -> dict[str, Any]:
+    return {"kv_events": True, "tokenizer": fixture_dir / "model", "expose_replica_urls": True}
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def prompt(tag: str) -> str:
+    return f"Precise routing case {tag}. " + long_prompt(15)  # about 460 tokens: 3 full blocks
+
+
+async def vllm_tokens(http: aiohttp.ClientSession, replica: VllmProcess, body: dict[str, Any]) -> list[int]:
+    async with http.post(f"{replica.url}/tokenize", json={"model": "base", **body}) as response:
+        assert response.status == 200, await response.text()
+        tokens: list[int] = (await response.json())["tokens"]
+        return tokens
+
+
+async def test_gateway_tokens_equal_the_replicas_tokenize(
+    vllm_replicas: list[VllmProcess], http: aiohttp.ClientSession, fixture_dir: Path
+) -> None:
+    tokens = PromptTokens.from_path(fixture_dir / "model")
+    assert tokens.template is not None, "the fixture model has a chat template"
+    text = prompt("tokenize") + "\n\nünïcode ✓, tabs\tand  double  spaces"
+    assert tokens.completion({"prompt": text}) == tuple(
+        await vllm_tokens(http, vllm_replicas[0], {"prompt": text})
+    )
+    messages = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": "Fine."},
+        {"role": "user", "content": "Again?"},
+    ]
+    for extra in ({}, {"add_generation_prompt": False}):
+        body = {"messages": messages, **extra}
+        assert tokens.chat(body) == tuple(await vllm_tokens(http, vllm_replicas[0], body)), extra
+
+
+async def test_events_arrive_decode_and_a_version_never_counts_for_another(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    fixture_dir: Path,
+) -> None:
+    store, redis_url = tmp_path / "store", redis_server.url
+    await kvgate_json(
+        "publish", "precise-v", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    replica = vllm_replicas[0]
+    text = prompt("versions")
+    async with make_gateway(**precise(fixture_dir)) as gateway:
+        metrics = gateway.metrics
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) == 0, "followed"
+        )
+        await asyncio.sleep(1.0)  # the SUB socket joins (ZMQ drops what a publisher sends before)
+        cold = await complete(http, gateway.url, "precise-v", text, max_tokens=2, headers=pin(replica))
+        assert cold.cached_tokens == 0
+        await eventually(
+            lambda: (
+                sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= cold.prompt_tokens // BLOCK
+            ),
+            "the replica's BlockStored events reached kvgate's view of it",
+        )
+        assert sample(metrics, "kvgate_kv_events_total", replica=replica.url, kind="BlockStored") >= 1
+        assert sample(metrics, "kvgate_kv_events_malformed_total", replica=replica.url) == 0
+        async with http.get(
+            f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        ) as response:
+            shown = (await response.json())["kv_events"][replica.url]
+        assert shown["blocks"] >= 3
+        assert shown["events"] >= 1
+        warm = await complete(http, gateway.url, "precise-v", text, max_tokens=2)
+        assert warm.evidence[REPLICA_HEADER] == replica.url
+        assert warm.cached_tokens >= 3 * BLOCK
+        assert sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise") == 1
+
+        # v2 of the same logical ID: v1's blocks are still on the replica, and count for nothing
+        v2 = await kvgate_json(
+            "publish", "precise-v", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+        )
+        held = sample(metrics, "kvgate_kv_view_blocks", replica=replica.url)
+        assert held >= 3, "v1's blocks are in the view when v2 is routed"
+
+        async def on_v2() -> bool:
+            short = await complete(
+                http, gateway.url, "precise-v", "Which version?", max_tokens=1, headers=pin(replica)
+            )
+            return bool(short.evidence[VERSION_HEADER] == v2["name"])
+
+        await eventually(on_v2, "kvgate serves v2", within=30)
+        gateway.spans.clear()
+        on_v2_warm = await complete(http, gateway.url, "precise-v", text, max_tokens=2)
+        assert on_v2_warm.evidence[VERSION_HEADER] == v2["name"]
+        assert on_v2_warm.cached_tokens == 0
+        sources = [
+            s.attributes.get("kvgate.prefix.source")
+            for s in gateway.spans.get_finished_spans()
+            if s.attributes
+        ]
+        assert "none" in sources
+        assert "precise" not in sources
+        assert sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise") == 1
+
+
+async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_replica(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    fixture_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store, redis_url = tmp_path / "store", redis_server.url
+    await kvgate_json(
+        "publish", "precise-b", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    for name, value in {"KVGATE_KV_EVENTS": "true", "KVGATE_TOKENIZER": str(fixture_dir / "model"),
+                        "KVGATE_EXPOSE_REPLICA_URLS": "true"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)  # B, a child process, reads them
+    async with (
+        make_gateway(**precise(fixture_dir)) as a,
+        kvgate_process(vllm_replicas, redis_url, store, http) as (b, _),
+    ):
+        for replica in vllm_replicas:  # the version on both replicas: B has a choice to make
+            await complete(
+                http, a.url, "precise-b", prompt(f"load {replica.url}"), max_tokens=1, headers=pin(replica)
+            )
+        await asyncio.sleep(1.0)  # B's SUB sockets have joined
+        prompts = {prompt(f"b{i}"): vllm_replicas[i % 2] for i in range(4)}
+        for text, replica in prompts.items():  # warmed through A, each on one replica
+            warmed = await complete(http, a.url, "precise-b", text, max_tokens=1, headers=pin(replica))
+            assert warmed.cached_tokens == 0
+        admin = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+
+        async def b_learned() -> bool:
+            async with http.get(f"{b}/metrics", headers=admin) as response:
+                text = await response.text()
+            return all(
+                any(
+                    line.startswith(f'kvgate_kv_view_blocks{{replica="{r.url}"}}')
+                    and float(line.split()[-1]) >= 6
+                    for line in text.splitlines()
+                )
+                for r in vllm_replicas
+            )
+
+        await eventually(b_learned, "B's views hold the blocks warmed through A", within=20)
+        for text, replica in prompts.items():
+            through_b = await complete(http, b, "precise-b", text, max_tokens=1)
+            assert through_b.evidence[REPLICA_HEADER] == replica.url, text[:40]
+            assert through_b.cached_tokens >= 3 * BLOCK
+        async with http.get(f"{b}/metrics", headers=admin) as response:
+            exposition = await response.text()
+        assert 'kvgate_prefix_matched_blocks_count{source="precise"} 4.0' in exposition
+
+
+async def test_a_replica_restart_empties_its_view_and_it_is_learned_again(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    http: aiohttp.ClientSession,
+    fixture_dir: Path,
+) -> None:
+    index = 1
+    replica = vllm_replicas[index]
+    text = prompt("restart")
+    async with make_gateway(**precise(fixture_dir)) as gateway:
+        metrics = gateway.metrics
+        await asyncio.sleep(1.0)
+        await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(replica))
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned"
+        )
+        await replica.stop()
+        restarted = VllmProcess(replica.spec)
+        vllm_replicas[index] = restarted  # the session fixture stops it at the end
+        await restarted.start()
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) == 0,
+            "the view is emptied",
+            within=30,
+        )
+        resets = sum(
+            sample(metrics, "kvgate_kv_view_resets_total", replica=replica.url, reason=reason)
+            for reason in ("replica restarted", "publisher restarted", "stream lost", "events lost")
+        )
+        assert resets >= 1
+        await asyncio.sleep(1.0)
+        again = await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(restarted))
+        assert again.cached_tokens == 0  # the restart really emptied the replica's cache
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned again"
+        )
+
+
+async def test_a_purge_kvgate_made_empties_the_view_at_once_and_stops_attracting_requests(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    redis_server: EmbeddedRedis,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    fixture_dir: Path,
+) -> None:
+    store, redis_url = tmp_path / "store", redis_server.url
+    await kvgate_json(
+        "publish", "precise-p", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    replica, text = vllm_replicas[0], prompt("purge")
+    async with make_gateway(**precise(fixture_dir), invalidation="purge-all") as gateway:
+        metrics = gateway.metrics
+        await asyncio.sleep(1.0)
+        await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(replica))
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned"
+        )
+        assert (await complete(http, gateway.url, "base", text, max_tokens=1)).cached_tokens >= 3 * BLOCK
+        await kvgate_json(
+            "publish", "precise-p", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
+        )  # an epoch change: purge-all resets every replica's prefix cache
+        await eventually(
+            lambda: (
+                sample(metrics, "kvgate_kv_view_resets_total", replica=replica.url, reason="purged by kvgate")
+                >= 1
+            ),
+            "kvgate's purge emptied its view of the replica",
+            within=30,
+        )
+        assert sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) == 0
+        precise_before = sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise")
+        after = await complete(http, gateway.url, "base", text, max_tokens=1)
+        assert after.cached_tokens == 0  # the purge was real
+        assert sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise") == precise_before
