@@ -202,8 +202,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             model_dirs=settings.base_model_dir_map,
             bytes_=BaseBytes(settings.data_dir / BASE_DIGESTS_FILE),
         )
-        app[BASE_PRINTS].watch(app[METRICS], app[SNAPSHOT])
         pool, snapshot = app[POOL], app[SNAPSHOT]
+        app[BASE_PRINTS].watch(app[METRICS], snapshot)
         gateway_id = settings.gateway_id or f"gw-{secrets.token_hex(6)}"
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(

@@ -19,6 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from gateway import generated_docs
 from gateway.core.kv_events import BlockStored
 from gateway.core.kv_index import PreciseIndex, block_keys
 from gateway.fleet.tokens import PromptTokens
@@ -46,7 +47,15 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line)
+        lines.append(f"- {line}")
+
     batch = events(args.blocks, args.seed)
     urls = [f"http://r{i}:8000" for i in range(args.replicas)]
     gc.collect()
@@ -61,10 +70,10 @@ def main() -> None:
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     blocks = len(index)
-    print(f"blocks held: {blocks} over {len(urls)} replica views")
+    say(f"blocks held: {blocks} over {len(urls)} replica views")
     per_block = held / blocks
-    print(f"memory: {held / 1e6:.1f} MB: {per_block:.0f} MB per million blocks ({per_block:.0f} B/block)")
-    print(f"apply: {applied / len(batch) * 1e6:.1f} us per BlockStored of {PER_EVENT} blocks")
+    say(f"memory: {held / 1e6:.1f} MB: {per_block:.0f} MB per million blocks ({per_block:.0f} B/block)")
+    say(f"apply: {applied / len(batch) * 1e6:.1f} us per BlockStored of {PER_EVENT} blocks")
 
     sample = batch[len(batch) // 2]
     assert sample.lora_name is not None
@@ -82,8 +91,8 @@ def main() -> None:
         matched = [index.matched(keys, url) for url in urls]
     matching = (time.perf_counter() - started) / rounds
     assert max(matched) == PER_EVENT, matched
-    print(f"request keys ({len(tokens)} tokens, {len(keys)} blocks): {keyed * 1e6:.1f} us")
-    print(f"match over {len(urls)} replicas: {matching * 1e6:.1f} us")
+    say(f"request keys ({len(tokens)} tokens, {len(keys)} blocks): {keyed * 1e6:.1f} us")
+    say(f"match over {len(urls)} replicas: {matching * 1e6:.1f} us")
     if args.tokenizer is not None:
         prompt_tokens = PromptTokens.from_path(args.tokenizer)
         for sentences in (15, 150):
@@ -97,10 +106,16 @@ def main() -> None:
             for _ in range(200):
                 prompt_tokens.chat({"messages": [{"role": "user", "content": text}]})
             chat = (time.perf_counter() - chat_started) / 200
-            print(
+            say(
                 f"tokenize {len(text)} chars ({len(ids)} tokens): completion {took * 1e6:.0f} us, "
                 f"chat {chat * 1e6:.0f} us"
             )
+    if args.out is not None:
+        generated_docs.write_block(args.out, generated_docs.measured(
+            f"The precise index alone (no servers): {args.blocks:,} blocks in BlockStored events of "
+            f"{PER_EVENT} blocks over {args.replicas} replica views; memory by tracemalloc.\n\n"
+            + "\n".join(lines)
+        ))  # fmt: skip
 
 
 if __name__ == "__main__":
