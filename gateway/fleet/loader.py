@@ -123,8 +123,9 @@ class AdapterLoader:
             await self._announce(replica)
             if not replica.serves(version.name, version.path):
                 listed = replica.listing.adapters.get(version.name)
+                log.warning("%s lists %s from %r, not %r", replica.url, version.name, listed, version.path)
                 raise NoEligibleReplica(
-                    f"{replica.url} lists {version.name} from {listed!r}, not from {version.path!r}"
+                    f"{replica.url} does not list {version.name} from kvgate's store after loading it"
                 )
         finally:
             if locked:
@@ -148,7 +149,9 @@ class AdapterLoader:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectionError):
                     replica.healthy = False  # until its next good poll
-                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
+                log.warning("loading %s on %s failed: %r", version.name, replica.url, exc)
+                why = "timed out" if isinstance(exc, TimeoutError) else "the replica could not be reached"
+                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {why}") from exc
             finally:
                 span.set_attribute(attr.OUTCOME, outcome)
                 self.metrics.loads.labels(replica.url, outcome, reason).inc()
