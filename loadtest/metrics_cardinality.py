@@ -136,7 +136,8 @@ async def end_to_end(ids: int) -> bytes:
         store = AdapterStore(Path(tmp) / "store")
         adapter = Path(tmp) / "adapter"
         adapter.mkdir()
-        (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+        config = '{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}'
+        (adapter / "adapter_config.json").write_text(config)
         (adapter / "adapter_model.safetensors").write_bytes(b"weights")
         artifact = store.ingest(adapter)
         names = [f"tenant-{i}" for i in range(ids)]
