@@ -205,6 +205,7 @@ class AdapterLoader:
                     return False
         finally:
             await self._release_claim(replica, name, unloaded=unloaded)
+        self.leases.forget(replica.url, name)  # its last use is not shared again: it is gone there
         self.metrics.unloads.labels(replica.url, reason).inc()
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
         replica.listing.adapters.pop(name, None)

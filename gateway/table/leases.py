@@ -78,10 +78,14 @@ class LeaseTable:
             "end_unload", [keys.leases(replica), keys.last_use(replica)], [name, int(unloaded)]
         )
 
-    async def shared_last_use(self, replica: str) -> dict[str, int]:
-        """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``."""
-        raw = await self.table.redis.hgetall(keys.last_use(replica))
-        return {_text(name): int(used) for name, used in raw.items()}
+    async def shared_last_use(self, replica: str, names: list[str]) -> dict[str, int]:
+        """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``, for
+        ``names`` only (the adapters it has: at most the budget). The hash can hold more (a name whose
+        last use was shared after its unload), so it is never read whole on the load path."""
+        if not names:
+            return {}
+        raw = await self.table.redis.hmget(keys.last_use(replica), names)
+        return {name: int(used) for name, used in zip(names, raw, strict=True) if used is not None}
 
 
 async def live_gateways(table: EpochTable) -> dict[str, dict[str, Any]]:
