@@ -336,6 +336,6 @@ async def test_the_shared_last_use_keeps_only_what_a_replica_still_has(
         for i in range(12):  # used and evicted between two heartbeats, most of them
             await api.completions.create(model=f"tenant-{i}", prompt="p", max_tokens=1)
         await asyncio.sleep(2.2)  # two heartbeats: what they share is in
-        shared = {bytes(name).decode() for name in await redis.hkeys(keys.last_use(stub))}
+        shared = {n.decode() if isinstance(n, bytes) else n for n in await redis.hkeys(keys.last_use(stub))}
     assert len(state.unloads) == 10
     assert shared <= set(state.adapters), f"{len(shared)} names shared, {len(state.adapters)} loaded"
