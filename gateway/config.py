@@ -139,7 +139,11 @@ class Settings(BaseSettings):
     admin_host: str = "127.0.0.1"
     """Address of the admin listener (see admin_port)."""
     admin_port: int | None = Field(None, ge=0, le=65535)
-    """If set, /kvgate/status and /metrics are served on this port (with the API), 404 on the public one."""
+    """If set, /kvgate/status and /metrics are served on this port (with the API; /metrics without a
+    token, for Prometheus), 404 on the public one. Unset, both stay on the public port behind the admin
+    token: /metrics names logical IDs (the tenants), so it takes ``x-kvgate-admin-token`` or
+    ``Authorization: Bearer <admin token>`` (a scrape config's ``authorization``), and without an
+    admin token it is refused."""
     expose_replica_urls: bool = False
     """Name replicas by URL in ``x-kvgate-replica`` (default: a stable id; /kvgate/status maps id to URL)."""
     metrics_top_k: int = Field(DEFAULT_TOP_K, ge=0)
@@ -225,8 +229,8 @@ class Settings(BaseSettings):
             )
         if self.admin_port is None:
             warnings.append(
-                "API keys on, but /metrics (which names logical IDs) is on the public listener: "
-                "set admin_port to serve it on a listener of its own"
+                "API keys on, but the admin surface (/metrics names logical IDs) is on the public "
+                "listener, behind the admin token: set admin_port to serve it on a listener of its own"
             )
         return warnings
 

@@ -146,13 +146,15 @@ async def end_to_end(ids: int) -> bytes:
                 name, artifact.digest, versioned_name(name, artifact.digest), str(artifact.path), "base"
             )
         async with running(build_stub(StubState())) as stub_url:
-            settings = Settings(replicas=[stub_url], store=store.root, max_adapters_per_replica=ids + 1)
+            settings = Settings(
+                replicas=[stub_url], store=store.root, max_adapters_per_replica=ids + 1, admin_token="scrape"
+            )
             async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
                 for name in names:
                     body = {"model": name, "prompt": "p", "max_tokens": 1}
                     async with http.post(f"{url}/v1/completions", json=body) as response:
                         assert response.status == 200, await response.text()
-                async with http.get(f"{url}/metrics") as response:
+                async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": "scrape"}) as response:
                     text = await response.read()
         await redis.aclose()
     return text
