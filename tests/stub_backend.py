@@ -58,6 +58,7 @@ class StubState:
     # request on the other model routes (embeddings, responses, tokenize, audio, ...)
     responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored /v1/responses by id
     echo_errors: bool = False  # completions answer 400 naming the model they were sent
+    load_gate: asyncio.Event | None = None  # while set to an unset event, loads wait for it
     error_reply: tuple[int, bytes, str] | None = None  # completions answer (status, body, content type)
     in_flight: Counter[str] = field(default_factory=Counter)  # completions running, per model name
     unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
@@ -85,6 +86,8 @@ async def _models(request: web.Request) -> web.Response:
 async def _load(request: web.Request) -> web.Response:
     state = request.app[STUB]
     body = await request.json()
+    if state.load_gate is not None:  # a slow load: it answers once the gate opens
+        await state.load_gate.wait()
     if state.fail_loads:
         return web.json_response(
             {"error": {"message": state.fail_loads, "type": "NotFoundError"}}, status=404

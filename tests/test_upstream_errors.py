@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import re
 from typing import Any
@@ -146,3 +147,28 @@ async def test_an_unreachable_replica_and_a_failed_load_name_no_url_nor_library_
     message = json.loads(unreachable[1])["error"]["message"]
     assert message == f"replica {replica_id(stub_url)} is unreachable"
     assert_nothing_leaks(message, stub_url)
+
+
+async def test_a_load_whose_requests_all_left_fails_without_an_unretrieved_task(
+    gateway: Gateway, publish: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen on SIGTERM: a load kept running (shielded) after every request waiting on it was cancelled,
+    then failed, and asyncio logged "Task exception was never retrieved". The loader retrieves it: the
+    failure is its log line, and the next request loads again."""
+    await publish("tenant-42", b"v1")
+    async with stubs(1) as backends:
+        stub_url, state = backends[0]
+        state.load_gate = asyncio.Event()
+        async with gateway([stub_url]) as url:
+            waiting = asyncio.create_task(complete(url, "tenant-42"))
+            await asyncio.sleep(0.5)  # the load is at the replica now, waiting at its gate
+            waiting.cancel()  # the only client leaves: kvgate cancels its handler, the load goes on
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            state.fail_loads = "disk gone"
+            state.load_gate.set()
+            await asyncio.sleep(0.3)
+            gc.collect()
+            state.fail_loads = None
+            assert (await complete(url, "tenant-42"))[0] == 200
+    assert "never retrieved" not in caplog.text

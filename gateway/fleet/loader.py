@@ -84,14 +84,24 @@ class AdapterLoader:
         await self._load_once(replica, version, reason)
 
     async def _load_once(self, target: Replica, version: VersionState, reason: str) -> None:
-        """Single-flight within this process: concurrent requests share one load task."""
+        """Single-flight within this process: concurrent requests share one load task. It runs on when
+        every request waiting on it has left (shielded: the next request finds the load done); its
+        outcome is then nobody's, so its failure is logged here, never left unretrieved."""
         key = (target.url, version.name)
         task = self._loading.get(key)
         if task is None:
             task = asyncio.create_task(self._load(target, version, reason))
             self._loading[key] = task
-            task.add_done_callback(lambda _: self._loading.pop(key, None))
+            task.add_done_callback(lambda done: self._load_done(key, done))
         await asyncio.shield(task)
+
+    def _load_done(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        self._loading.pop(key, None)
+        if task.cancelled():
+            return
+        failed = task.exception()  # retrieved, whoever still awaits it (they get it too)
+        if failed is not None:
+            log.info("loading %s on %s failed: %s", key[1], key[0], failed)
 
     async def _load(self, replica: Replica, version: VersionState, reason: str) -> None:
         token = secrets.token_hex(8)
