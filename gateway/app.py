@@ -147,10 +147,8 @@ def build_app(
         return await app[ADMIN].status(request)
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
-        if ADMIN_LISTENER not in app:  # on the public listener: it names logical IDs (the tenants)
-            app[ADMIN].check(request, bearer=True)
-        body = app[METRICS].exposition()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        app[ADMIN].check_scrape(request, public=ADMIN_LISTENER not in app)
+        return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
         pool, snapshot = app[POOL], app[SNAPSHOT]

@@ -82,6 +82,13 @@ class Admin:
                 f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
             )
 
+    def check_scrape(self, request: web.Request, *, public: bool) -> None:
+        """``/metrics``: its series are labelled by logical ID (the tenants), so on the public listener
+        (no ``admin_port``) it takes the admin token, also as ``Authorization: Bearer`` (what a Prometheus
+        scrape config's ``authorization`` sends); on the admin listener of its own it is open."""
+        if public:
+            self.check(request, bearer=True)
+
     def options(self, request: web.Request) -> AdminOptions:
         """The pin and cold-namespace headers; either one needs the admin token."""
         pin_url = request.headers.get(PIN_HEADER)
