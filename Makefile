@@ -102,10 +102,10 @@ loadtest-edge: $(VENV)/.done
 	$(PY) -m loadtest.edge --out docs/edge.md
 
 # /metrics series and bytes at 1,000 / 10,000 / 100,000 logical IDs, the old per-ID labels (metrics.py at
-# f4d700f, from git) against the top K, plus 1,000 IDs through a running kvgate (README: Metrics cardinality).
+# f4d700f, from git) against the top K, plus 1,000 IDs through a running kvgate: docs/observability.md.
 .PHONY: loadtest-metrics
 loadtest-metrics: $(VENV)/.done
-	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000
+	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000 --out docs/observability.md
 
 # The epoch table at scale: a real redis-server, 100,000 IDs x 3 versions, N simulated kvgates (the real
 # SnapshotSync) for N = 1, 10, 100, the change log vs the old full reconcile: docs/scale.md (+ plot).
@@ -115,4 +115,4 @@ KVGATES ?= 1 10 100
 .PHONY: loadtest-scale
 loadtest-scale: $(VENV)/.done
 	$(PY) -m loadtest.scale --ids $(IDS) --kvgates $(KVGATES) --old-kvgates 1 \
-		--out docs/scale-results.md --plot docs/scale-results.png
+		--out docs/scale.md --plot docs/scale.png

@@ -2,7 +2,8 @@
 
 Start order: one shared ClientSession → epoch table and snapshot (first full read before serving) →
 API keys (first read before serving, when on) → replica poller (first poll before serving) → lease
-heartbeat → drain/unload sweeper. Stopped in reverse (the leases are let go on the way out).
+heartbeat → drain/unload sweeper. Stopped in reverse (the leases are let go on the way out). Every
+background task runs under one ``Supervisor`` (``app[SUPERVISOR]``; serve's also runs its embedded Redis).
 
 With ``admin_port`` set, ``/kvgate/status`` and ``/metrics`` leave the public app (404 there, and the
 admin token is refused there) for a second app, ``app[ADMIN_LISTENER]``, which serves them beside the
@@ -26,7 +27,7 @@ from opentelemetry.trace import Tracer
 from gateway.adapters.store import AdapterStore
 from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
-from gateway.fleet.backends import dialect_for
+from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, mismatch_report, mismatched
@@ -35,8 +36,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import background as _background
-from gateway.periodic import periodically
+from gateway.periodic import Supervisor, periodically
 from gateway.proof.canary import Canary
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
@@ -46,7 +46,7 @@ from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
-from gateway.serving import EDGE, EdgeLimits
+from gateway.serving import EDGE, EdgeLimits, session_timeout
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
@@ -78,19 +78,7 @@ CALLERS = web.AppKey("callers", Callers)
 AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
-
-
-def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
-    """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
-
-    The connector has no pool limit (the replicas' limit is kvgate's own, ``Replica.connection``), so
-    ``connect`` never includes a wait for a pooled connection: it is DNS and the TCP connect alone."""
-    return aiohttp.ClientTimeout(
-        total=None,
-        connect=settings.connect_timeout,
-        sock_connect=settings.connect_timeout,
-        sock_read=settings.read_timeout,
-    )
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
 
 
 def build_app(
@@ -99,6 +87,7 @@ def build_app(
     *,
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
+    supervisor: Supervisor | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -111,6 +100,8 @@ def build_app(
         top_k=settings.metrics_top_k, rerank_interval=settings.metrics_rerank_interval
     )
     app[TRACER] = tracer_from(tracer_provider)
+    app[SUPERVISOR] = supervisor or Supervisor(failure_limit=settings.background_failure_limit)
+    metrics.track_restarts(app[SUPERVISOR].restart_counts)
     app[SNAPSHOT] = Snapshot(on_epoch_change=lambda logical_id: _epoch_changed(app, logical_id))
     metrics.track_staleness(app[SNAPSHOT].staleness)
     app[TABLE] = EpochTable(
@@ -121,7 +112,7 @@ def build_app(
     app[VERDICTS] = {}
     app[DRAIN] = Drain()
     if settings.auth == "api-keys":
-        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness)
+        app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     app.cleanup_ctx.append(_components)
     app.cleanup_ctx.append(_snapshot_sync)
     app.cleanup_ctx.append(_caller_sync)
@@ -151,16 +142,21 @@ def build_app(
         return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
-        pool, snapshot = app[POOL], app[SNAPSHOT]
+        pool, snapshot, supervisor = app[POOL], app[SNAPSHOT], app[SUPERVISOR]
+        failing = supervisor.failing()  # a task that keeps failing: its state no longer moves
         body = {
             "replicas_healthy": len(pool.healthy()),
             "replicas": len(pool.replicas),
             "snapshot_flushed": snapshot.flushed,
             "logical_ids": len(snapshot.current_names()),
-            "table": {"generation": snapshot.generation, **app[RESEEDER].health()},
+            "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
             "draining": app[DRAIN].draining,
+            **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
+            "background": supervisor.health(),
+            "failing": failing,
         }
-        return web.json_response(body, status=200 if pool.healthy() and not app[DRAIN].draining else 503)
+        ready = pool.healthy() and not app[DRAIN].draining and not failing
+        return web.json_response(body, status=200 if ready else 503)
 
     def api_routes(target: web.Application) -> None:
         target.router.add_get("/v1/models", models_handler)
@@ -237,7 +233,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             extra_fields=lambda: operator_fields(app[METRICS], app[VERDICTS]),
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
-        for warning in settings.tenant_warnings(dialect.cache_namespaces):
+        for warning in [*start_warnings(dialect), *settings.tenant_warnings(dialect.cache_namespaces)]:
             log.warning("%s", warning)
         options = ProxyOptions(
             base_model=settings.base_model,
@@ -261,6 +257,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
         )
         yield
+        await app[LOADER].stop()  # loads in flight, before the session they use closes
 
 
 async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
@@ -274,7 +271,7 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
         metrics=app[METRICS],
     )
     await sync.reconcile()
-    async with _background(sync.run()):
+    async with app[SUPERVISOR].run("snapshot-sync", sync.run, period=app[SETTINGS].reconcile_interval):
         yield
 
 
@@ -282,11 +279,10 @@ async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
     if CALLERS not in app:
         yield
         return
-    table = CallerTable(app[TABLE].redis)
-    sync = CallerSync(table, app[CALLERS], interval=app[SETTINGS].reconcile_interval)
+    sync = CallerSync(CallerTable(app[TABLE].redis), app[CALLERS], interval=app[SETTINGS].reconcile_interval)
     await sync.reload()
     log.info("API keys on: %d keys", len(app[CALLERS]))
-    async with _background(sync.run()):
+    async with app[SUPERVISOR].run("api-key-sync", sync.run, period=app[SETTINGS].reconcile_interval):
         yield
 
 
@@ -309,22 +305,24 @@ def _base_prints(app: web.Application) -> BasePrints:
 
 
 async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
-    pool, prints = app[POOL], app[BASE_PRINTS]
+    pool, prints, interval = app[POOL], app[BASE_PRINTS], app[SETTINGS].poll_interval
     await pool.refresh_all()
     await prints.check_all()
-    async with _background(pool.poll_forever(app[SETTINGS].poll_interval, app[TABLE], prints.check_all)):
+    poll = functools.partial(pool.poll_forever, interval, app[TABLE], prints.check_all)
+    async with app[SUPERVISOR].run("replica-poll", poll, period=interval):
         yield
 
 
 async def _lease_heartbeat(app: web.Application) -> AsyncIterator[None]:
     leases = app[LEASES]
-    async with _background(leases.run()):
+    async with app[SUPERVISOR].run("leases-heartbeat", leases.run, period=leases.interval):
         yield
     await leases.let_go()
 
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
-    async with _background(app[LOADER].sweep_forever(app[SETTINGS].poll_interval)):
+    sweep, interval = app[LOADER].sweep_forever, app[SETTINGS].poll_interval
+    async with app[SUPERVISOR].run("adapter-sweep", functools.partial(sweep, interval), period=interval):
         yield
 
 
@@ -334,7 +332,7 @@ async def _purger(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     app[PURGER] = PurgeAll(app[POOL], app[SNAPSHOT], app[METRICS], drain_grace=settings.drain_grace)
-    async with _background(app[PURGER].run()):
+    async with app[SUPERVISOR].run("purger", app[PURGER].run, period=settings.reconcile_interval):
         yield
 
 
@@ -346,5 +344,6 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     canary = Canary(
         app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
     )
-    async with _background(periodically(interval, canary.run_round)):
+    rounds = functools.partial(periodically, interval, canary.run_round)
+    async with app[SUPERVISOR].run("canary", rounds, period=interval):
         yield

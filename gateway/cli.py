@@ -36,6 +36,7 @@ from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
 from gateway.open_table import open_table
+from gateway.periodic import Supervisor
 from gateway.serving import running
 from gateway.settings_table import add_setting_flags, flag_overrides
 from gateway.table.callers import CallerTable
@@ -168,8 +169,12 @@ async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: Tracer
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
-    async with open_table(settings, tracing, own=True) as table, contextlib.AsyncExitStack() as listeners:
-        app = build_app(settings, table.redis, tracer_provider=tracing)
+    supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # every background task's
+    async with (
+        open_table(settings, tracing, supervisor=supervisor) as table,
+        contextlib.AsyncExitStack() as listeners,
+    ):
+        app = build_app(settings, table.redis, tracer_provider=tracing, supervisor=supervisor)
         log = logging.getLogger("gateway")
         log.info(
             "kvgate listening on %s",
@@ -182,8 +187,13 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(supervisor.wait_fatal())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in waits:
+            waiting.cancel()
         await app[DRAIN].drain(settings.shutdown_timeout)  # /healthz 503 at once; running requests finish
+        if supervisor.fatal_reason is not None:  # a task this process cannot work without keeps failing
+            raise KvgateError(f"stopped: {supervisor.fatal_reason}")
 
 
 async def cmd_keys(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

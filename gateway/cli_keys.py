@@ -60,7 +60,7 @@ async def run_keys_command(args: argparse.Namespace, callers: CallerTable) -> No
         line = f"revoked key {caller.key_id} of {_allowed(caller)}"
         print(json.dumps(caller.to_json(), indent=2) if args.json else line)
     else:
-        _list(args, await callers.list())
+        _list(args, *await callers.list())
 
 
 def _allowed(caller: Caller) -> str:
@@ -68,11 +68,16 @@ def _allowed(caller: Caller) -> str:
     return f"tenant {caller.tenant} ({', '.join(what)})"
 
 
-def _list(args: argparse.Namespace, callers: list[Caller]) -> None:
+def _list(args: argparse.Namespace, callers: list[Caller], malformed: dict[str, str]) -> None:
+    """Every key; a row that is no key (written past ``kvgate keys``) is listed as MALFORMED, with why:
+    kvgates refuse it, ``kvgate keys revoke`` deletes it."""
     if args.json:
-        print(json.dumps({"keys": [caller.to_json() for caller in callers]}, indent=2))
+        rows = [{"key_id": key_id, "malformed": why} for key_id, why in sorted(malformed.items())]
+        print(json.dumps({"keys": [caller.to_json() for caller in callers], "malformed": rows}, indent=2))
         return
     print(f"{'KEY ID':<14} {'TENANT':<20} {'BASE':<5} LOGICAL IDS")
     for caller in callers:
         base = "yes" if caller.base else "no"
         print(f"{caller.key_id:<14} {caller.tenant:<20} {base:<5} {', '.join(sorted(caller.ids)) or '-'}")
+    for key_id, why in sorted(malformed.items()):
+        print(f"{key_id:<14} MALFORMED (refused by every kvgate): {why}")

@@ -134,6 +134,7 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
             "replicas": replicas,
             "logical_ids": rows,
             "gateways": gateways,
+            "malformed_rows": view.malformed,
         }
         print(json.dumps(matrix, indent=2))
         return
@@ -143,6 +144,8 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
     for row in rows:
         print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<17}"
               + "".join(f"{_cell(row['replicas'][url]):<20}" for url in replicas))  # fmt: skip
+    for logical_id, reason in sorted(view.malformed.items()):
+        print(f"{logical_id!r:<20} MALFORMED (left out of every snapshot): {reason}")
     print("\n= current version loaded, ! another version of the ID loaded (a mismatch), - none")
     for column, url in zip(columns, replicas, strict=True):
         print(f"  {column}  {url}")

@@ -8,10 +8,10 @@ that is missing, not a regular file, unreadable, not UTF-8 or not TOML is an err
 Each field's docstring is its description, and the model is the one list of settings: each field is a
 flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by its annotation, and a
 ``KVGATE_FIELD_NAME`` variable. ``serve`` takes every setting; the other commands take the ones they use
-(``settings_table.setting_names``). The README's settings table is generated from it too, by
-``gateway/settings_table.py``; after changing a setting::
+(``settings_table.setting_names``). docs/configuration.md is generated from it too, by
+``gateway/config_reference.py``; after changing a setting::
 
-    python -m gateway.settings_table --write README.md   # --check README.md: exit 1 if it drifted
+    python -m gateway.config_reference --write docs/configuration.md   # --check: exit 1 if it drifted
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     """Holds the embedded Redis (its data and socket)."""
     redis_url: str | None = None
     """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
-    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (README: Redis)."""
+    ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (docs/redis.md)."""
     redis_ack_timeout: float = Field(1.0, ge=0)
     """Seconds publish, rollback and bump wait for one Redis replica to acknowledge their write (``WAIT``),
     when the master has replicas; 0: do not wait; at most half of redis_timeout."""
@@ -61,7 +61,12 @@ class Settings(BaseSettings):
     """Seconds Redis may take to answer (a stalled one is then an error, never replaced by a second one)."""
 
     backend: Literal["vllm", "sglang", "generic"] = "vllm"
-    """The replicas' server kind (its dialect: load/unload API and cache namespace field)."""
+    """The replicas' server kind (its dialect). ``vllm``, ``sglang``: kvgate loads and unloads adapters
+    at runtime, gives each version and epoch a cache namespace (``cache_salt``, ``extra_key``) and can
+    purge (``purge-all``). ``generic``: any other OpenAI-compatible server, adapters fixed at start: a
+    version is served only by replicas started with its versioned name (a new version needs a restart),
+    requests carry no cache namespace (versions stay apart by name alone; an epoch bump cannot
+    invalidate a cache), ``purge-all`` is refused; kvgate warns of this at start."""
     invalidation: Literal["version-scoped", "purge-all"] = "version-scoped"
     """version-scoped: versioned names + per-epoch cache salts; purge-all: reset every replica's cache."""
     base_model: str = "base"
@@ -85,6 +90,13 @@ class Settings(BaseSettings):
     every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
+    background_failure_limit: float = Field(5.0, gt=0)
+    """Readiness: a background task that keeps failing (each restart, after a backoff, fails again) for
+    longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
+    it runs a whole period without failing. Periods: poll_interval (replica poll, adapter sweep),
+    reconcile_interval (snapshot sync, API key sync, purger), lease_ttl / 4 (leases heartbeat),
+    canary_interval (canary), 2 s (the embedded Redis's supervision: failing that long, restarts of
+    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)

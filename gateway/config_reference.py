@@ -18,14 +18,16 @@ from typing import Any, Literal, Union, get_args, get_origin
 import annotated_types
 from pydantic import SecretStr
 
+from gateway import generated_docs
 from gateway.config import Settings
-from gateway.settings_table import COMMANDS, default, description, env_var, flag, setting_names
+from gateway.settings_table import COMMANDS, default, description, env_var, flag, markdown, setting_names
 
+TITLE = "# Configuration reference\n"
+COMMAND = "python -m gateway.config_reference --write docs/configuration.md"
+TEST = "tests/test_config_reference.py"
 HEADER = """\
-# Configuration reference
-
-<!-- Generated from `Settings` in gateway/config.py by `python -m gateway.config_reference --write
-docs/configuration.md`; tests/test_config_reference.py fails when this file drifts. Do not edit by hand. -->
+Generated from `Settings` in gateway/config.py by `python -m gateway.config_reference --write
+docs/configuration.md`; tests/test_config_reference.py fails when this file drifts. Do not edit by hand.
 
 Every setting is a command-line flag, a `KVGATE_<NAME>` environment variable and a key in a TOML file named
 by `--config` (or `KVGATE_CONFIG`). A flag beats the environment, which beats the file, which beats the
@@ -119,10 +121,18 @@ def rules() -> str:
     return "## Rules between settings\n\n" + "\n".join(found) + "\n"
 
 
+def at_a_glance() -> str:
+    """The settings table (settings_table.markdown), each name linked to its section."""
+    table = markdown()
+    for name in Settings.model_fields:
+        table = table.replace(f"| `{name}` |", f"| [`{name}`](#{name}) |", 1)
+    return table
+
+
 def document() -> str:
-    index = " · ".join(f"[`{name}`](#{name})" for name in Settings.model_fields)
-    parts = [HEADER, f"## Settings\n\n{index}\n", *(section(name) for name in Settings.model_fields), rules()]
-    return "\n".join(parts)
+    sections = [section(name) for name in Settings.model_fields]
+    parts = [HEADER, f"## Settings\n\n{at_a_glance()}", *sections, rules()]
+    return TITLE + "\n" + generated_docs.checked("\n".join(parts), command=COMMAND, test=TEST) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

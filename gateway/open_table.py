@@ -11,27 +11,35 @@ from redis.exceptions import RedisError
 
 from gateway.config import Settings
 from gateway.core.errors import TableUnavailable
-from gateway.periodic import background
+from gateway.periodic import Supervisor
 from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.tracing import tracer_from
 
+REVIVE_PERIOD_S = 2.0
+"""The embedded Redis's supervision is judged over this period: restarts of the server that keep failing
+for ``background_failure_limit`` periods (10 s by default) end ``kvgate serve`` (exit 1)."""
+
 
 @contextlib.asynccontextmanager
 async def open_table(
-    settings: Settings, tracing: TracerProvider | None, *, own: bool = False
+    settings: Settings, tracing: TracerProvider | None, *, supervisor: Supervisor | None = None
 ) -> AsyncIterator[EpochTable]:
-    """The configured Redis, or the embedded one under ``--data-dir``: with ``own`` (serve) this process
-    owns it and restarts it if it dies; otherwise the running one is used (or, when nobody owns the
-    directory, one is started for this command). A Redis that fails is ``TableUnavailable``: one line."""
+    """The configured Redis, or the embedded one under ``--data-dir``: with a ``supervisor`` (serve) this
+    process owns it and restarts it if it dies (a server that cannot be restarted is fatal); otherwise the
+    running one is used (or, when nobody owns the directory, one is started for this command). A Redis
+    that fails is ``TableUnavailable``: one line."""
     async with contextlib.AsyncExitStack() as stack:
         url = settings.redis_url
         if url is None:
             server = EmbeddedRedis(settings.data_dir, answer_timeout=settings.redis_timeout)
-            if own:
+            if supervisor is not None:
                 stack.enter_context(server)
-                await stack.enter_async_context(background(server.supervise()))
+                revive = supervisor.run(
+                    "embedded-redis", server.supervise, period=REVIVE_PERIOD_S, fatal=True
+                )
+                await stack.enter_async_context(revive)
             else:
                 stack.enter_context(server.using())
             url = server.url

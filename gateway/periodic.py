@@ -1,13 +1,195 @@
-"""Background loops that survive their expected errors but never a cancellation, and the task running one."""
+"""Background work: loops that survive their expected errors (``periodically``), and the one supervisor
+every background task runs under (``Supervisor``).
+
+``periodically`` runs a step every interval; the errors it is told to ``survive`` (a Redis outage, which
+the loop answers itself: the snapshot is flushed, leases are trusted locally) go to its ``on_error``; any
+other error ends the loop, and its supervisor restarts it.
+
+One ``Supervisor`` per process, passed in (``app[SUPERVISOR]``; ``kvgate serve`` makes it and hands it to
+the embedded Redis too). A task runs beside a block::
+
+    async with supervisor.run("replica-poll", lambda: pool.poll_forever(...), period=settings.poll_interval):
+        ...  # the block's end cancels the task and waits for it
+
+``factory`` makes a fresh coroutine for each (re)start. A cancellation ends the task; any other exception
+(and a return: a background task runs until cancelled) restarts it after a capped exponential backoff
+(``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends once a
+run has lasted a whole ``period`` without failing: the backoff starts over. A burst is logged once (its
+first failure, with the traceback; its end, "running again"), and every restart is counted
+(``restarts``, exported as ``kvgate_background_restarts_total{task}``).
+
+A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
+names it with its last error (``/healthz`` answers 503 with that reason) until it has run a whole period
+without failing again. A ``fatal`` task that is failing makes the process useless: ``fatal_reason`` is
+set and ``wait_fatal`` returns it (``kvgate serve`` then exits 1).
+
+Task names are the label values of the restart counter: a fixed set (one per loop, or one per
+configured replica), never anything a client or Redis chooses.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 5.0
+DEFAULT_FAILURE_LIMIT = 5.0  # periods (Settings.background_failure_limit)
+RUNNING, RESTARTING = "running", "restarting"
+MESSAGE_CHARS = 300  # of an error's first line, on /healthz and in the readiness reason
+
+
+@dataclass
+class TaskState:
+    """One supervised task, as ``/healthz`` shows it."""
+
+    name: str
+    period: float
+    fatal: bool
+    state: str = RUNNING
+    since: float = 0.0  # wall-clock seconds: when it entered ``state``
+    restarts: int = 0
+    error_type: str | None = None  # the last failure's
+    error_message: str | None = None
+    failing_since: float | None = None  # monotonic: the current burst's first failure (None: no burst)
+    burst: int = 0  # failures in the current burst
+    unready_logged: bool = False  # this burst's readiness failure was logged
+
+    def failing_for(self, now: float) -> float:
+        return 0.0 if self.failing_since is None else now - self.failing_since
+
+    def doc(self, now: float) -> dict[str, Any]:
+        error = None if self.error_type is None else {"type": self.error_type, "message": self.error_message}
+        return {
+            "state": self.state,
+            "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
+            "restarts": self.restarts,
+            "last_error": error,
+            "failing_for_s": round(self.failing_for(now), 1) if self.failing_since is not None else None,
+        }
+
+
+class Supervisor:
+    def __init__(self, *, failure_limit: float = DEFAULT_FAILURE_LIMIT) -> None:
+        self.failure_limit = failure_limit
+        """Periods a task may keep failing before it counts as failing (readiness 503, or fatal)."""
+        self.tasks: dict[str, TaskState] = {}
+        self.fatal_reason: str | None = None
+        self._fatal = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def run(
+        self, name: str, factory: Callable[[], Awaitable[None]], *, period: float, fatal: bool = False
+    ) -> AsyncIterator[TaskState]:
+        """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it."""
+        if name in self.tasks:
+            raise ValueError(f"a background task named {name!r} already runs")
+        state = self.tasks[name] = TaskState(name, period, fatal, since=time.time())
+        task = asyncio.create_task(self._supervise(state, factory), name=f"kvgate:{name}")
+        try:
+            yield state
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            del self.tasks[name]
+
+    async def _supervise(self, state: TaskState, factory: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ended_burst = loop.call_later(state.period, self._ran_a_period, state)
+            try:
+                # its own task: a TaskGroup inside that fails leaves its parent's cancel count raised
+                # (Python 3.11), which must not read as this task being cancelled
+                await asyncio.ensure_future(factory())
+                error: Exception = RuntimeError("it returned (a background task runs until cancelled)")
+            except Exception as exc:  # a cancellation (BaseException) ends it
+                error = exc
+            finally:
+                ended_burst.cancel()
+            raise_if_cancelling(error)  # a library turned this task's cancellation into an error
+            await asyncio.sleep(self._failed(state, error))
+            if self._over_limit(state):
+                if state.fatal:
+                    self._end_process(state)
+                    return
+                if not state.unready_logged:  # once per burst, like the failure itself
+                    log.error("%s: /healthz answers 503 until it runs again", self._reason(state))
+                    state.unready_logged = True
+            state.state, state.since = RUNNING, time.time()
+
+    def _failed(self, state: TaskState, error: Exception) -> float:
+        """Record a failure; the backoff before the restart."""
+        cause = _leaf(error)
+        lines = str(cause).strip().splitlines() or [""]  # the full error is in the log, with its traceback
+        state.error_type, state.error_message = type(cause).__name__, lines[0].rstrip(" :")[:MESSAGE_CHARS]
+        state.restarts += 1
+        state.burst += 1
+        state.state, state.since = RESTARTING, time.time()
+        if state.failing_since is None:
+            state.failing_since = time.monotonic()
+            log.error(
+                "background task %s failed, restarting it with backoff (logged once until it runs again): "
+                "%s: %s", state.name, state.error_type, state.error_message, exc_info=error,
+            )  # fmt: skip
+        else:
+            log.debug("background task %s failed again (%d in a row): %r", state.name, state.burst, cause)
+        return min(max(BACKOFF_MAX_S, state.period), BACKOFF_FIRST_S * 2.0 ** (state.burst - 1))
+
+    def _ran_a_period(self, state: TaskState) -> None:
+        if state.failing_since is not None:
+            log.info(
+                "background task %s running again after %d failure(s) in %.1f s",
+                state.name, state.burst, state.failing_for(time.monotonic()),
+            )  # fmt: skip
+        state.failing_since, state.burst, state.unready_logged = None, 0, False
+
+    def _over_limit(self, state: TaskState) -> bool:
+        return state.failing_for(time.monotonic()) > self.failure_limit * state.period
+
+    def _end_process(self, state: TaskState) -> None:
+        self.fatal_reason = f"{self._reason(state)}; this process cannot work without it"
+        log.critical("kvgate is stopping: %s", self.fatal_reason)
+        self._fatal.set()
+
+    def _reason(self, state: TaskState) -> str:
+        return (
+            f"background task {state.name} has been failing for {state.failing_for(time.monotonic()):.1f} s "
+            f"({state.burst} failure(s) in a row, restarted with backoff): "
+            f"{state.error_type}: {state.error_message}"
+        )
+
+    def failing(self) -> list[str]:
+        """Why readiness fails: each task failing for longer than its limit, with its last error."""
+        return [self._reason(state) for state in self.tasks.values() if self._over_limit(state)]
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {name: state.doc(now) for name, state in sorted(self.tasks.items())}
+
+    def restart_counts(self) -> dict[str, int]:
+        return {name: state.restarts for name, state in self.tasks.items()}
+
+    async def wait_fatal(self) -> str:
+        """Until a fatal task is failing; its reason."""
+        await self._fatal.wait()
+        assert self.fatal_reason is not None
+        return self.fatal_reason
+
+
+def _leaf(error: BaseException) -> BaseException:
+    """A TaskGroup's first failure, out of its group (what a reader of /healthz wants to see)."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 async def periodically(
@@ -37,21 +219,3 @@ def raise_if_cancelling(cause: BaseException | None = None) -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError from cause
-
-
-@contextlib.asynccontextmanager
-async def background(work: Awaitable[None]) -> AsyncIterator[None]:
-    """Run ``work`` beside the block; a failure is logged at once (never silent); the end cancels it."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_log_failure)
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task failed and stopped: %r", task.exception(), exc_info=task.exception())

@@ -37,6 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -68,6 +69,19 @@ BACKLOG = 1024  # pending connections the kernel queues for accept (aiohttp's de
 LINGER = 1.0
 """Seconds a timed-out connection is still read (input discarded) before it closes: closing on a client
 that is still sending makes the kernel answer with a reset, which can destroy the 408 before it is read."""
+
+
+def session_timeout(settings: Settings) -> aiohttp.ClientTimeout:
+    """No total limit (SSE streams run long); bounded connect, and a bound between bytes.
+
+    The connector has no pool limit (the replicas' limit is kvgate's own, ``Replica.connection``), so
+    ``connect`` never includes a wait for a pooled connection: it is DNS and the TCP connect alone."""
+    return aiohttp.ClientTimeout(
+        total=None,
+        connect=settings.connect_timeout,
+        sock_connect=settings.connect_timeout,
+        sock_read=settings.read_timeout,
+    )
 
 
 def raise_open_files_limit() -> int:

@@ -1,14 +1,12 @@
-"""The settings as command-line flags and as the README's table, both generated from ``Settings``.
+"""The settings as command-line flags and as a markdown table, both generated from ``Settings``.
 
-``python -m gateway.settings_table --write README.md`` regenerates the README block; ``--check`` compares.
+The table heads docs/configuration.md (``python -m gateway.config_reference --write docs/configuration.md``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import types
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -16,8 +14,6 @@ from pydantic import SecretStr
 
 from gateway.config import Settings
 
-START = "<!-- settings-table:start -->"
-END = "<!-- settings-table:end -->"
 COMMANDS = (
     "serve",
     "publish",
@@ -71,7 +67,7 @@ def env_var(name: str) -> str:
 def description(name: str) -> str:
     text = Settings.model_fields[name].description
     if not text:
-        raise TypeError(f"setting {name} has no docstring: it is its --help and its README row")
+        raise TypeError(f"setting {name} has no docstring: it is its --help and its reference entry")
     return " ".join(text.replace("``", "`").split())
 
 
@@ -134,51 +130,3 @@ def markdown() -> str:
                  description(name).replace("|", "\\|"))  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def block() -> str:
-    """What the README holds between (and including) the markers."""
-    return f"{START}\n{markdown()}{END}"
-
-
-def _span(text: str) -> tuple[int, int]:
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"expected one {START} ... {END} block")
-    return text.index(START), text.index(END) + len(END)
-
-
-def readme_block(text: str) -> str:
-    start, end = _span(text)
-    return text[start:end]
-
-
-def with_block(text: str) -> str:
-    """``text`` with its settings block regenerated."""
-    start, end = _span(text)
-    return text[:start] + block() + text[end:]
-
-
-def readme_table_tool(argv: Sequence[str] | None = None) -> int:
-    """``python -m gateway.settings_table [--write | --check] README.md``: print, rewrite or check it."""
-    parser = argparse.ArgumentParser(
-        prog="python -m gateway.settings_table",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", type=Path, metavar="README", help="regenerate the block in this file")
-    action.add_argument("--check", type=Path, metavar="README", help="exit 1 if the block there drifted")
-    args = parser.parse_args(argv)
-    if args.write:
-        args.write.write_text(with_block(args.write.read_text()))
-    elif args.check:
-        if readme_block(args.check.read_text()) != block():
-            print(f"{args.check}: settings table is stale; run {parser.prog} --write", file=sys.stderr)
-            return 1
-    else:
-        print(markdown(), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(readme_table_tool())

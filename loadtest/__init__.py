@@ -1,1 +1,1 @@
-"""Load tests: kvgate side by side with direct access and a peer proxy (see README)."""
+"""Load tests: kvgate side by side with direct access and a peer proxy (see docs/benchmarks.md)."""

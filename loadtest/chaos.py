@@ -52,6 +52,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
+from gateway import generated_docs
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import LoadFailed
 from gateway.core.identity import scan_adapter, tree_digest
@@ -81,7 +82,6 @@ POLL_S = 0.01  # between two polls of one kvgate's status, while waiting for a c
 EPSILON = 1e-6  # float noise allowed on top of the tolerance (logprobs travel as JSON floats)
 DRAIN_GRACE_S = 2.0  # kvgate's --drain-grace: a retired version may be unloaded this long after
 CALIBRATE_EVERY = 4  # every 4th check runs three cold runs, whatever it finds (the cold-to-cold spread)
-CHAOS_MARKERS = ("<!-- chaos:start -->", "<!-- chaos:end -->")
 
 
 # --- child processes ---------------------------------------------------------------------------------
@@ -763,7 +763,7 @@ class Run:
             args = (tenant, time.time_ns() // 1_000_000, keys.LOG_KEPT, keys.HISTORY_KEPT)
             table_keys = (keys.state(tenant), keys.history(tenant), keys.LOG, keys.ROWS, keys.CHECK)
             await self.redis.eval(self.bump_script, 5, *table_keys, *args)
-        else:  # the README's exact redis-cli command
+        else:  # the operator guide's exact redis-cli command
             script = str(self.work / "bump_epoch.lua")
             argv = ["redis-cli", "-p", str(self.redis_server.port), "--eval", script,
                     keys.state(tenant), keys.history(tenant), keys.LOG, keys.ROWS, keys.CHECK, ",", tenant,
@@ -1019,7 +1019,7 @@ def cut_cause(out: Outcome, run: Run) -> str:
     return "unexplained (an unload?)"
 
 
-def report(run: Run, command: str) -> str:
+def report(run: Run) -> str:
     outs = run.outcomes
     ok = [o for o in outs if o.complete]
     tolerance = judge(outs)
@@ -1077,7 +1077,7 @@ def report(run: Run, command: str) -> str:
     by_replica = Counter(o.replica for o in ok)
     minutes = (run.t1 - run.t0) / 60
     lines = [
-        f"Made by `{command}` (seed {run.args.seed}); {minutes:.1f} minutes of traffic, "
+        f"Seed {run.args.seed}; {minutes:.1f} minutes of traffic, "
         f"{run.args.concurrency} concurrent clients, {run.args.tenants} tenants, 3 kvgates, "
         "2 vLLM CPU replicas.",
         "",
@@ -1229,18 +1229,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:160]
 
 
-def write_section(path: Path, markers: tuple[str, str], body: str, title: str) -> None:
-    """Replace (or add) one marked section of ``path``, leaving the rest as it is."""
-    start, end = markers
+def write_section(path: Path, body: str, title: str) -> None:
+    """This command's generated block of ``path`` (gateway/generated_docs.py) replaced, or added under
+    ``## title``, leaving the rest as it is."""
     text = path.read_text() if path.exists() else "# The chaos run: a fleet of kvgates, one truth\n"
-    section = f"{start}\n{body}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + section + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## {title}\n\n{section}\n"
+    block = generated_docs.measured(body)
+    module = generated_docs.module_of(generated_docs.this_command())
+    if not any(generated_docs.module_of(b.command) == module for b in generated_docs.blocks(text)):
+        text = text.rstrip("\n") + f"\n\n## {title}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(generated_docs.with_block(text, block))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -1250,14 +1248,10 @@ async def main_async(args: argparse.Namespace) -> int:
         stack.callback(run.records.close)
         await run.setup(stack)
         await run.run()
-    command = (
-        f"python -m loadtest.chaos --minutes {args.minutes:g} --concurrency {args.concurrency} "
-        f"--sample-every {args.sample_every} --seed {args.seed} --out {args.out}"
-    )
-    body = report(run, command)
+    body = report(run)
     with (work / "records.jsonl").open("w") as records:  # again, with the verdicts
         records.writelines(json.dumps(asdict(out)) + "\n" for out in run.outcomes)
-    write_section(args.out, CHAOS_MARKERS, body, "Results")
+    write_section(args.out, body, "Results")
     print(body)
     print(f"\nrecords, logs and the store: {work}")
     return 0
@@ -1278,6 +1272,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/chaos.md"))
     args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
     if args.sample_every > 5:
         parser.error("--sample-every must be at most 5 (the issue asks for at least one in five)")
     loop_main = main_async(args)

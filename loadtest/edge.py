@@ -49,6 +49,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.config import Settings
 from gateway.serving import EDGE, EdgeLimits, free_port, raise_open_files_limit, running
 from loadtest.proxy_overhead import (
@@ -602,10 +603,10 @@ NOTES = """\
   on, connections over the cap get a 429 to their request, and a slowloris one, which never completes a
   request, is closed at the header deadline like the rest.
 
-Deadlines and limits, all settings (README, Configuration): `header_timeout` 10 s, `body_timeout` 60 s
-(the whole body, once the headers are in; 408), `keepalive_timeout` 60 s (idle between requests),
-`max_connections_per_client` 1024 (429, then closed), `max_connections_per_replica` 2048 and
-`pool_wait_timeout` 10 s (503 `replica_busy`).""".splitlines()
+Deadlines and limits, all settings ([configuration.md](configuration.md)): `header_timeout` 10 s,
+`body_timeout` 60 s (the whole body, once the headers are in; 408), `keepalive_timeout` 60 s (idle
+between requests), `max_connections_per_client` 1024 (429, then closed), `max_connections_per_replica`
+2048 and `pool_wait_timeout` 10 s (503 `replica_busy`).""".splitlines()
 
 
 # --- main -------------------------------------------------------------------------------------------
@@ -646,6 +647,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     if args.command == "stubs":
         asyncio.run(serve_stubs(args.port, args.chunks, args.chunk_delay))
         return 0
@@ -672,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = render(runs, args, env)
     print(report)
     if args.out != "-":
-        Path(args.out).write_text(report)
+        generated_docs.write_report(Path(args.out), report)
         print(f"wrote {args.out}")
     return 0
 

@@ -10,7 +10,8 @@ baseline. Figures are medians over rounds (the machine is shared and noisy).
 
 Run from the repository root::
 
-    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--requests 3]
+    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--requests 3] \
+        [--out docs/edge-parsing.md]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.serving import free_port
 from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_redis, wait_ready
 
@@ -161,6 +163,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent heavy clients (default 8)")
     parser.add_argument("--requests", type=int, default=3, help="heavy requests per client and round")
+    parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     args = parser.parse_args(argv)
     if min(args.rounds, args.clients, args.requests) < 1:
         parser.error("--rounds, --clients and --requests must be positive")
@@ -169,6 +172,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
         workdir = Path(tmp)
@@ -187,8 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_url = f"http://127.0.0.1:{kv_port}"
             wait_ready(kvgate, kv_url + "/healthz")
             baseline, rounds = asyncio.run(bench(kv_url, args))
+    text = report(baseline, rounds, args)
     print("figures under load are medians over rounds of each round's median, p90 and max")
-    print(report(baseline, rounds, args))
+    print(text)
+    if args.out is not None:
+        size = len(heavy_body(BODY_LIMIT - 1024, seed=1))
+        generated_docs.write_block(args.out, generated_docs.measured(
+            f"{args.clients} clients, {args.requests} heavy requests each per round ({size:,} bytes a body), "
+            f"{args.rounds} rounds; each figure under load is the median over rounds of each round's median, "
+            f"p90 and maximum.\n\n{text}"
+        ))  # fmt: skip
     return 1 if any(r.errors for r in rounds) else 0
 
 

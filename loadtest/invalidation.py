@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
+from gateway import generated_docs
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
@@ -239,13 +240,9 @@ async def main_async(args: argparse.Namespace) -> None:
     table = summarize(observations, args.rounds, args.tenants)
     table += "\n\nAudit of the updated tenant after the run (`kvgate audit` through kvgate, every replica): "
     table += "; ".join(f"{strategy}: {verdict}" for strategy, verdict in audits.items())
-    command = (
-        f"python -m loadtest.invalidation --tenants {args.tenants} --rounds {args.rounds} "
-        f"--out {args.out} --plot {args.plot}"
-    )
-    report = f"{table}\n\nMade by `{command}` ({args.tenants} tenants, {args.rounds} rounds per phase).\n"
+    report = f"{args.tenants} tenants, {args.rounds} rounds per phase.\n\n{table}\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    generated_docs.write_block(args.out, generated_docs.measured(report))
     plot(observations, args.plot)
     print(report)
 
@@ -259,7 +256,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/invalidation.md"))
     parser.add_argument("--plot", type=Path, default=Path("docs/invalidation.png"))
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ embedded Redis) and scrapes its ``/metrics``, to check the replay against the re
 
 Run from the repository root (``make loadtest-metrics``)::
 
-    .venv/bin/python -m loadtest.metrics_cardinality [--ids 1000 10000 100000] [--end-to-end 1000]
+    .venv/bin/python -m loadtest.metrics_cardinality [--ids 1000 10000 100000] [--end-to-end 1000] \\
+        [--out docs/observability.md]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 import aiohttp
 from redis.asyncio import Redis
 
+from gateway import generated_docs
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
@@ -171,29 +173,32 @@ def main() -> None:
     parser.add_argument(
         "--end-to-end", type=int, default=0, metavar="N", help="also serve N IDs through kvgate"
     )
+    parser.add_argument("--out", type=Path, help="write the tables into this doc's generated block")
     args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
     factory = old_metrics(args.before)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     for hot, title in ((False, "one request per ID"), (True, f"active, a hot set of {HOT} moving")):
-        print(f"\n{title}:\n")
-        print("| labels | IDs | series | bytes |\n| --- | ---: | ---: | ---: |")
+        say(f"\n{title}:\n")
+        say("| labels | IDs | series | bytes |\n| --- | ---: | ---: | ---: |")
         for ids in args.ids:
             started = time.perf_counter()
-            print(
-                row(
-                    f"before ({args.before}: every metric by ID)",
-                    ids,
-                    replay(lambda c: before(factory), ids, hot),
-                )
-            )
-            print(row("after (counters: top 100 + other)", ids, replay(after, ids, hot)), flush=True)
-            print(f"<!-- {ids:,} IDs replayed in {time.perf_counter() - started:.1f} s -->")
+            old = replay(lambda c: before(factory), ids, hot)
+            say(row(f"before ({args.before}: every metric by ID)", ids, old))
+            say(row("after (counters: top 100 + other)", ids, replay(after, ids, hot)))
+            print(f"({ids:,} IDs replayed in {time.perf_counter() - started:.1f} s)")
     if args.end_to_end:
-        started = time.perf_counter()
         exposition = asyncio.run(end_to_end(args.end_to_end))
-        print(f"\nthrough a running kvgate (stub replica), {args.end_to_end:,} IDs served once each:\n")
-        print("| labels | IDs | series | bytes |\n| --- | ---: | ---: | ---: |")
-        print(row("after, end to end", args.end_to_end, exposition))
-        print(f"<!-- in {time.perf_counter() - started:.1f} s -->")
+        say(f"\nthrough a running kvgate (stub replica), {args.end_to_end:,} IDs served once each:\n")
+        say("| labels | IDs | series | bytes |\n| --- | ---: | ---: | ---: |")
+        say(row("after, end to end", args.end_to_end, exposition))
+    if args.out is not None:
+        generated_docs.write_block(args.out, generated_docs.measured("\n".join(lines)))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from types import FrameType
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.serving import free_port
 from loadtest.hotspots import summarize, summarize_pstats
 
@@ -742,6 +743,7 @@ def _signals_exit() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     env = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": _command(raw_argv),
@@ -835,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.is_absolute():
             out = ROOT / out
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report)
+        generated_docs.write_report(out, report)
         print(f"written to {out}")
     return 0
 

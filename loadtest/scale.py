@@ -12,14 +12,20 @@ old full-reconcile path (re-implemented in scale_worker.py, as of f4d700f) for c
 
     .venv/bin/python -m loadtest.scale --ids 100000 --kvgates 1 10 100 --old-kvgates 1 \\
         --out docs/scale.md --plot docs/scale.png
+
+--out writes the figures into their generated block of docs/scale.md (gateway/generated_docs.py): the
+command, date, tree and load, the machine, the table and the targets, all from this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
+import os
+import platform
 import random
 import shutil
 import statistics
@@ -33,6 +39,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from gateway import generated_docs
 from gateway.serving import free_port
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
@@ -228,6 +235,67 @@ HEADER = (
 )
 
 
+def sent_idle(r: Result) -> float:
+    assert r.idle is not None
+    return (r.idle.issued if r.path == "new" else r.idle.commands) / r.kvgates
+
+
+def targets(results: list[Result]) -> str:
+    """The issue's targets against this run's new-path rows (benchmarks, not timed tests)."""
+    new = [r for r in results if r.path == "new"]
+    if not new:
+        return ""
+    largest = max(new, key=lambda r: (r.kvgates, r.ids))
+    one = min(new, key=lambda r: (r.kvgates, -r.ids))
+    idle = [sent_idle(r) for r in new]
+    fleets = ", ".join(str(r.kvgates) for r in new)
+    p99 = pct(largest.converge_ms, 0.99)
+    cpu = largest.busy.cpu if largest.busy is not None else float("nan")
+    cold = statistics.median(one.cold_start_s)
+    memory = max(r.tracemalloc_mb for r in new)
+    at = f"N = {largest.kvgates}, {largest.ids:,} IDs"
+    rows = [
+        ("steady state, no changes: commands a kvgate sends per second <= 2, whatever the number of IDs",
+         f"{min(idle):.2f} to {max(idle):.2f} (N = {fleets})", max(idle) <= 2),
+        ("100,000 IDs, 100 kvgates, 10 changes/s: publish -> all converged p99 <= 100 ms",
+         f"{p99:,.1f} ms ({at})", p99 <= 100),
+        ("same: Redis CPU <= 10 % of a core", f"{cpu:.1f} % ({at})", cpu <= 10),
+        ("cold start: a full read of 100,000 IDs <= 2 s",
+         f"{cold:.2f} s (N = {one.kvgates}, {one.ids:,} IDs)", cold <= 2),
+        ("snapshot memory <= 100 MB per kvgate", f"{memory:.1f} MB ({max(r.ids for r in new):,} IDs)",
+         memory <= 100),
+    ]  # fmt: skip
+    lines = ["| target | measured | met at the size run? |", "|---|---|---|"]
+    lines += [f"| {target} | {value} | {'yes' if met else 'no'} |" for target, value, met in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def report(results: list[Result], populated_s: float, memory_mb: float, load_start: str, ids: int) -> str:
+    table = "\n".join([HEADER, *(row(r) for r in results)])
+    return f"""Machine: {machine()}; load average at the start {load_start} (other work shares it: wall-clock
+figures, cold start and convergence, include waiting for a core; command counts and Redis CPU less so).
+One run of each scenario. Populating {ids:,} IDs x {VERSIONS} versions took {populated_s:.0f} s; Redis
+`used_memory` with the table: {memory_mb:.0f} MB.
+
+{table}
+
+Targets (from the issue), against this run's new-path rows:
+
+{targets(results)}
+
+![Redis commands and CPU against the number of kvgates](scale.png)"""
+
+
 def plot(results: list[Result], out: Path) -> None:
     import matplotlib
 
@@ -275,9 +343,11 @@ async def main(args: argparse.Namespace) -> None:
                 break
             except Exception:
                 await asyncio.sleep(0.1)
+        load_start = generated_docs.load()
         started = time.monotonic()
         await populate(EpochTable(redis), args.ids)
-        print(f"populated {args.ids:,} IDs x {VERSIONS} in {time.monotonic() - started:.0f} s", flush=True)
+        populated_s = time.monotonic() - started
+        print(f"populated {args.ids:,} IDs x {VERSIONS} in {populated_s:.0f} s", flush=True)
         results: list[Result] = []
         for path, fleet in (("new", args.kvgates), ("old", args.old_kvgates)):
             for n in fleet:
@@ -285,11 +355,10 @@ async def main(args: argparse.Namespace) -> None:
                 print(HEADER.splitlines()[0] if not results else "", row(result), sep="\n", flush=True)
                 results.append(result)
         memory = (await redis.info("memory"))["used_memory"] / 2**20
-        table = "\n".join([HEADER, *(row(r) for r in results)])
-        text = f"Redis used_memory with the table: {memory:.0f} MB\n\n{table}\n"
+        text = report(results, populated_s, memory, load_start, args.ids)
         print(text)
         if args.out:
-            args.out.write_text(text)
+            generated_docs.write_block(args.out, generated_docs.measured(text))
         if args.plot:
             plot(results, args.plot)
     finally:
@@ -307,6 +376,8 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=10.0, help="publishes a second in the busy window")
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured, per phase")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after the cold start, and after")
-    parser.add_argument("--out", type=Path, help="the results table (markdown), for docs/scale.md")
+    parser.add_argument("--out", type=Path, help="the doc whose generated block gets the figures")
     parser.add_argument("--plot", type=Path, help="a PNG plot")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    asyncio.run(main(args))

@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 from gateway.core.model import TableView
 from gateway.periodic import periodically
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, _parse_state, _text
+from gateway.table.epoch_table import EpochTable, _text, parse_state
 from gateway.table.snapshot import Snapshot, SnapshotSync
 
 Seen = list[tuple[str, int, float]]  # logical ID, epoch, wall time the snapshot took it
@@ -42,7 +42,7 @@ async def old_read_all(redis: Redis) -> TableView:
             pipe.hgetall(keys.state(logical_id))
         pipe.get(keys.GENERATION)
         *raws, generation = await pipe.execute()
-    states = {i: s for i, raw in zip(ids, raws, strict=True) if (s := _parse_state(i, raw)) is not None}
+    states = {i: s for i, raw in zip(ids, raws, strict=True) if (s := parse_state(i, raw)) is not None}
     return TableView(_text(generation), states)
 
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway import generated_docs
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER
 from gateway.serving import free_port
 from gateway.vllm_process import VllmReplicaSpec, start_replicas
 from loadtest.chaos import SHAPES, TOKEN, Kvgate, RedisServer, kvgate_cli, request_body, write_section
 
-SPREAD_MARKERS = ("<!-- spread:start -->", "<!-- spread:end -->")
 CROSSING = 3  # with two replicas, the third request in flight is over the holder's bounded share
 
 
@@ -116,10 +116,10 @@ async def one_round(
     )
 
 
-def report(rounds: list[Round], command: str, args: argparse.Namespace) -> str:
+def report(rounds: list[Round], args: argparse.Namespace) -> str:
     answered = [r.to_first_answer_s for r in rounds if r.to_first_answer_s is not None]
     lines = [
-        f"Made by `{command}`: one kvgate, two vLLM CPU replicas, {args.clients} clients sending "
+        f"One kvgate, two vLLM CPU replicas, {args.clients} clients sending "
         f"{args.max_tokens}-token streams back to back for {args.burst_seconds:g} s per round, a fresh "
         "logical ID per round loaded on replica A only.",
         "",
@@ -175,12 +175,8 @@ async def main_async(args: argparse.Namespace) -> None:
             a, b = replicas[k % 2].url, replicas[(k + 1) % 2].url
             rounds.append(await one_round(http, gateway, k, a, b, args))
             print(rounds[-1], flush=True)
-    command = (
-        f"python -m loadtest.spread --rounds {args.rounds} --clients {args.clients} "
-        f"--max-tokens {args.max_tokens} --burst-seconds {args.burst_seconds:g} --out {args.out}"
-    )
-    body = report(rounds, command, args)
-    write_section(args.out, SPREAD_MARKERS, body, "Spread: a hot version reaches the second replica")
+    body = report(rounds, args)
+    write_section(args.out, body, "Spread: a hot version reaches the second replica")
     print(body)
 
 
@@ -194,7 +190,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--burst-seconds", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=Path("docs/chaos.md"))
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    generated_docs.started_tree()  # the tree measured, taken before the run
+    asyncio.run(main_async(args))
     sys.exit(0)
 
 

@@ -9,7 +9,7 @@ ARGV[1]  versioned name      ARGV[2] gateway id     ARGV[3] now (ms)    ARGV[4] 
 Returns CODE.CHANGED (the lease is held until now + ttl; the heartbeat refreshes it) or CODE.UNLOADING.
 ]]
 local name, owner, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local unloading = tonumber(redis.call('HGET', KEYS[1], lease_field(name, UNLOADING_MARK)))
+local unloading = stored_ms(redis.call('HGET', KEYS[1], lease_field(name, UNLOADING_MARK)))
 if unloading and unloading > now then
   return CODE.UNLOADING
 end

@@ -12,7 +12,7 @@ Returns {code, live leases}: CODE.CHANGED (claimed; unload, then end_unload), CO
 CODE.UNLOADING (another gateway's unload is in progress).
 ]]
 local name, now, ttl, force, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1', ARGV[5]
-local claimed = tonumber(redis.call('HGET', KEYS[1], lease_field(name, UNLOADING_MARK)))
+local claimed = stored_ms(redis.call('HGET', KEYS[1], lease_field(name, UNLOADING_MARK)))
 if claimed and claimed > now then
   return {CODE.UNLOADING, 0}
 end

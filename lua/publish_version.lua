@@ -20,7 +20,7 @@ local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], AR
 local base_print = ARGV[9] or ''
 local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch', 'base_print')
 if current[1] == digest and current[2] == base and (current[4] or '') == base_print then
-  return {CODE.UNCHANGED, tonumber(current[3])}
+  return {CODE.UNCHANGED, tonumber(current[3]) or 0}
 end
 redis.call('HSET', KEYS[2], version_field(base, digest),
   cjson.encode({name = name, path = path, base = base, base_print = base_print, published_ms = tonumber(now)}))

@@ -22,7 +22,7 @@ for i = 1, held do
     keep[lease_field(name, owner)] = true
     redis.call('HSET', KEYS[1], lease_field(name, owner), now + ttl)
   end
-  local shared = tonumber(redis.call('HGET', KEYS[2], name))
+  local shared = stored_ms(redis.call('HGET', KEYS[2], name))
   if used > 0 and (not shared or used > shared) then
     redis.call('HSET', KEYS[2], name, used)
   end
@@ -30,7 +30,7 @@ end
 local suffix = '|' .. owner
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
-  local field, expiry = fields[i], tonumber(fields[i + 1])
+  local field, expiry = fields[i], stored_ms(fields[i + 1]) or 0  -- a malformed expiry: expired
   if string.sub(field, -string.len(suffix)) == suffix and not keep[field] and expiry < since + ttl then
     redis.call('HDEL', KEYS[1], field)
   end

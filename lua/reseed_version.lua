@@ -23,7 +23,7 @@ local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], AR
 local epoch = tonumber(ARGV[6])
 local current = redis.call('HMGET', KEYS[1], 'digest', 'epoch', 'reseeded_epoch')
 if current[1] then
-  local in_force = tonumber(current[2])
+  local in_force = tonumber(current[2]) or 0  -- a malformed epoch: no epoch of its own
   local only_reseeded = current[3] and tonumber(current[3]) == in_force
   if not (only_reseeded and epoch > in_force) then
     return {CODE.UNCHANGED, in_force}

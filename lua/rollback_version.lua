@@ -31,8 +31,9 @@ end
 local target = nil
 if wanted == '' then
   for _, raw in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
-    local event = cjson.decode(raw)
-    if event.base == base and not is_current(event.digest) then
+    local ok, event = pcall(cjson.decode, raw)  -- an event that is not JSON (a direct write) is skipped
+    if ok and type(event) == 'table' and event.base == base and type(event.digest) == 'string'
+        and not is_current(event.digest) then
       target = event.digest
       break
     end
@@ -55,7 +56,7 @@ if not record then
   return {CODE.NO_SUCH_VERSION, 0, ''}
 end
 if is_current(target) then
-  return {CODE.UNCHANGED, tonumber(current[3]), target}
+  return {CODE.UNCHANGED, tonumber(current[3]) or 0, target}
 end
 local version = cjson.decode(record)
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)

@@ -41,6 +41,8 @@ class StubState:
     received_headers: list[dict[str, str]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     fail_loads: str | None = None
+    load_delay: float = 0.0  # seconds a load takes
+    load_requests: int = 0  # load requests received (answered or not)
     busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
     resets: int = 0
     chunks: int = 4
@@ -86,6 +88,9 @@ async def _models(request: web.Request) -> web.Response:
 async def _load(request: web.Request) -> web.Response:
     state = request.app[STUB]
     body = await request.json()
+    state.load_requests += 1
+    if state.load_delay:
+        await asyncio.sleep(state.load_delay)
     if state.load_gate is not None:  # a slow load: it answers once the gate opens
         await state.load_gate.wait()
     if state.fail_loads:

@@ -1,5 +1,6 @@
 """Settings: precedence (command line over KVGATE_* environment over the TOML file over defaults), one flag
-per setting generated from the model, the README table generated from it too, and refused combinations."""
+per setting generated from the model (docs/configuration.md too: tests/test_config_reference.py), and
+refused combinations."""
 
 from __future__ import annotations
 
@@ -18,15 +19,10 @@ from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
 from gateway.settings_table import (
     COMMANDS,
-    END,
-    START,
-    block,
     description,
     env_var,
     flag,
     flag_overrides,
-    readme_block,
-    readme_table_tool,
     setting_names,
 )
 
@@ -56,7 +52,6 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path) -> None:
         load_settings({"invalidation": "sometimes"}, None)
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 # A non-default value for every setting, as typed on the command line and as parsed; a new setting needs one.
 FLAG_VALUES: dict[str, tuple[str, object]] = {
     "host": ("0.0.0.0", "0.0.0.0"),
@@ -74,6 +69,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "base_print_tolerance": ("0.05", 0.05),
     "reconcile_interval": ("2.5", 2.5),
     "poll_interval": ("0.5", 0.5),
+    "background_failure_limit": ("3", 3.0),
     "change_log_length": ("500", 500),
     "scrub_page": ("250", 250),
     "drain_grace": ("5", 5.0),
@@ -195,24 +191,6 @@ def test_every_setting_has_a_description_and_an_environment_name() -> None:
     for name in Settings.model_fields:
         assert description(name), name
         assert env_var(name) == f"KVGATE_{name.upper()}"
-
-
-def test_readme_settings_table_is_the_generated_one() -> None:
-    text = README.read_text()
-    assert readme_block(text) == block()
-    assert readme_table_tool(["--check", str(README)]) == 0
-    for name in Settings.model_fields:
-        assert f"| `{name}` | `{flag(name)}` | `{env_var(name)}` |" in text
-
-
-def test_write_regenerates_a_stale_readme_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{START}\n| stale |\n{END}\n\nafter\n")
-    assert readme_table_tool(["--check", str(readme)]) == 1
-    assert "stale" in capsys.readouterr().err
-    assert readme_table_tool(["--write", str(readme)]) == 0
-    assert readme.read_text() == f"# x\n\n{block()}\n\nafter\n"
-    assert readme_table_tool(["--check", str(readme)]) == 0
 
 
 @pytest.mark.parametrize(

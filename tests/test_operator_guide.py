@@ -1,6 +1,6 @@
-"""The operator guide's ``redis-cli --eval`` lines, run as written (bash, Debian's redis-cli) against a real
-embedded Redis: the bump and the rollback they make are the table's, and every kvgate reads them
-in the change log."""
+"""The operator guide's ``redis-cli --eval`` lines, and the README tour's, run as written (bash, Debian's
+redis-cli) against a real embedded Redis: the bump and the rollback they make are the table's, and every
+kvgate reads them in the change log."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "operator-guide.md"
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def redis_cli_blocks() -> list[str]:
-    blocks = re.findall(r"```sh\n(.*?)```", GUIDE.read_text(), re.DOTALL)
+def redis_cli_blocks(page: Path = GUIDE) -> list[str]:
+    blocks = re.findall(r"```sh\n(.*?)```", page.read_text(), re.DOTALL)
     return [block for block in blocks if "redis-cli" in block and "--eval" in block]
 
 
@@ -63,3 +64,22 @@ async def test_the_guides_redis_cli_bump_and_rollback_work_as_written(
             state = await table.read_state("tenant-42")
             assert state is not None
             assert (state.digest, state.epoch) == (v1.digest, 4)
+
+
+async def test_the_readme_tours_redis_cli_bump_works_as_written(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    (bump,) = redis_cli_blocks(README)
+    data = tmp_path / "kvgate"
+    with EmbeddedRedis(data) as server:
+        async with Redis.from_url(server.url) as redis:
+            table = EpochTable(redis)
+            store = AdapterStore(data / "store")
+            await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+            v2 = await publish_adapter(table, store, "tenant-42", make_adapter(b"v2"), "base")
+            out = run(bump, tmp_path, data).split("\n")
+            assert out[:2] == ["1", "3"]
+            assert "bump" in out[3], "the block's `kvgate history` shows it, newest first"
+            state = await table.read_state("tenant-42")
+            assert state is not None
+            assert (state.digest, state.epoch) == (v2.digest, 3)

@@ -193,6 +193,7 @@ async def test_responses_stream_and_follow_ups_reach_the_replica_that_stores_the
     assert unknown.value.status_code == elsewhere.value.status_code == bad_previous.value.status_code == 404
     assert bad_previous.value.body["param"] == "previous_response_id"  # type: ignore[index]
     sent = [body for _, state in backends for path, body in state.routed if path == "/v1/responses"]
+    assert len(sent) == 3, sent  # the stream, made, follow (all() of nothing would pass)
     assert all(b["model"] == v1 and b["cache_salt"].startswith("kvg-") for b in sent)
 
 

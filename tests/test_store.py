@@ -22,9 +22,10 @@ def test_ingest_is_content_addressed_and_read_only(make_adapter: MakeAdapter, tm
     assert artifact.created
     assert artifact.path == store.root / artifact.digest
     assert (artifact.path / "adapter_model.safetensors").read_bytes() == b"v1"
-    for stored in artifact.path.rglob("*"):
-        if stored.is_file():  # no write bit for anyone (root ignores the bits, so check the bits)
-            assert stat.S_IMODE(stored.stat().st_mode) == 0o444, stored
+    files = [stored for stored in artifact.path.rglob("*") if stored.is_file()]
+    assert {f.name for f in files} == {"adapter_config.json", "adapter_model.safetensors"}
+    for stored in files:  # no write bit for anyone (root ignores the bits, so check the bits)
+        assert stat.S_IMODE(stored.stat().st_mode) == 0o444, stored
 
 
 def test_same_bytes_again_is_a_no_op(make_adapter: MakeAdapter, tmp_path: Path) -> None:

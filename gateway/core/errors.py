@@ -13,10 +13,12 @@
     ├── InvalidAdapter               400 invalid_adapter        (publish refuses a directory)
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
+    │   └── MalformedRow             500 internal_error         (a row Redis holds is not what kvgate writes)
     ├── UpstreamError                502 upstream_error
     │   ├── BackendUnreachable       502 upstream_error         (connect/reset before the first byte)
     │   ├── BackendTimeout           504 upstream_timeout
-    │   └── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
+    │   ├── LoadFailed               502 upstream_error         (a replica refused a load/unload/purge)
+    │   └── MalformedAnswer          502 upstream_error         (a replica's answer kvgate cannot read)
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
     │   ├── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
     │   ├── AdapterBudgetFull        503 service_unavailable    (every adapter slot stayed in use too long)
@@ -147,6 +149,15 @@ class EpochTableError(KvgateError):
     pass
 
 
+class MalformedRow(EpochTableError):
+    """One row Redis holds (a change-log entry, an API key, a state hash) is not what kvgate's scripts
+    write: a direct write, a truncation. That row is skipped, logged and counted; the rest is read."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"malformed row: {reason}")
+        self.reason = reason
+
+
 class UpstreamError(KvgateError):
     status = 502
     type = "upstream_error"
@@ -168,6 +179,16 @@ class LoadFailed(UpstreamError):
         super().__init__(reason)
         self.reason = reason
         self.backend_status = backend_status
+
+
+class MalformedAnswer(UpstreamError):
+    """A replica answered, but not in a form kvgate can read: not UTF-8, not JSON, nested too deep, the
+    wrong shape, a metric that is not a number. Raised only by the readers in ``fleet/backends/answers.py``;
+    ``reason`` is short and says which. The replica is marked (unhealthy, or not fingerprinted) with it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"malformed answer from the replica: {reason}")
+        self.reason = reason
 
 
 class NoEligibleReplica(KvgateError):

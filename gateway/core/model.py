@@ -6,7 +6,7 @@ one request meets (a published version in a cache namespace, or the base model).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,8 @@ class VersionState:
 class TableView:
     generation: str
     states: dict[str, VersionState]
+    malformed: dict[str, str] = field(default_factory=dict)
+    """Logical ID -> why its state row could not be read (left out of ``states``; the rest is read)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -30,16 +30,19 @@ from typing import Any
 import aiohttp
 
 from gateway.core import base_print
+from gateway.core.errors import MalformedAnswer
 from gateway.core.model import VersionState
 from gateway.core.wire import cold_salt
-from gateway.fleet.backends import BackendDialect
+from gateway.fleet.backends import BackendDialect, answers
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.replicas import Replica, ReplicaPool
 
 log = logging.getLogger(__name__)
 
-_START_TIME = re.compile(rb"^process_start_time_seconds\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 MAX_FAILURES = 3  # transient probe failures per incarnation before it counts as unprintable
+RETRY_UNPRINTABLE_S = 10.0
+"""An incarnation that could not be fingerprinted is probed again this often: a replica answering 200
+``text/html`` for a while after a restart is fingerprinted once it answers the probe again."""
 
 
 def mismatch(pool: ReplicaPool, replica: Replica, version: VersionState) -> str | None:
@@ -99,15 +102,15 @@ async def probe(
         async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status >= 500:
                 response.raise_for_status()
+            answer = await response.read()
             if response.status != 200:
-                return f"the probe got {response.status}: {(await response.text())[:200]}"
-            doc = await response.json(content_type=None)
+                return f"the probe got {response.status}: {answers.reason_of(answer, response.status)[:200]}"
         try:
-            choice = doc["choices"][0]
-            texts.append(str(choice["text"]))
-            runs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            return f"the probe's answer has no text and token logprobs: {exc!r}"
+            text, logprobs = answers.probe_choice(answers.json_of(answer))
+        except MalformedAnswer as exc:
+            return f"the probe's answer is malformed: {exc.reason}"
+        texts.append(text)
+        runs.append(logprobs)
     if len(set(texts)) != 1:
         return "cold probe runs gave different greedy tokens (nondeterministic)"
     return base_print.take(texts[0], runs, floor)
@@ -130,6 +133,7 @@ class BasePrints:
         self.model_dirs = model_dirs
         self.bytes = bytes_
         self.on_change = on_change
+        self.retry_unprintable = RETRY_UNPRINTABLE_S
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(replica) for replica in self.pool.healthy()))
@@ -139,10 +143,14 @@ class BasePrints:
         incarnation, and the bytes digest (cached: a ``stat`` per file when nothing changed)."""
         if replica.listing.base_name is None:
             return
-        await self._check_start_time(replica)
+        if not await self._check_start_time(replica):
+            return
         await self._check_bytes(replica)
         prints = replica.prints
-        if prints.incarnation == replica.incarnation and (prints.behaviour or prints.unprintable):
+        retry = bool(prints.unprintable) and time.monotonic() >= prints.retry_at
+        if prints.incarnation == replica.incarnation and (
+            prints.behaviour or (prints.unprintable and not retry)
+        ):
             return
         try:
             taken = await probe(
@@ -160,10 +168,15 @@ class BasePrints:
             return
         self._record(replica, taken.encode())
 
-    def _no_print(self, replica: Replica, reason: str) -> None:
-        log.warning("cannot fingerprint the base of %s: %s", replica.url, reason)
-        replica.prints.incarnation, replica.prints.behaviour = replica.incarnation, None
-        replica.prints.unprintable = reason
+    def _no_print(self, replica: Replica, reason: str, *, retry_after: float | None = None) -> None:
+        """This incarnation has no print, for REASON (logged once while it stays); it is probed again
+        after ``retry_unprintable`` seconds (RETRY_AFTER: sooner)."""
+        prints = replica.prints
+        if reason != prints.unprintable or prints.incarnation != replica.incarnation:
+            log.warning("cannot fingerprint the base of %s: %s", replica.url, reason)
+        prints.incarnation, prints.behaviour, prints.unprintable = replica.incarnation, None, reason
+        wait = self.retry_unprintable if retry_after is None else retry_after
+        prints.retry_at = time.monotonic() + wait
 
     def _record(self, replica: Replica, encoded: str) -> None:
         prints, base = replica.prints, replica.base or ""
@@ -188,21 +201,30 @@ class BasePrints:
             self.on_change(replica)
         log.info("base of %s (%s) fingerprinted: %s", replica.url, base, base_print.short(encoded))
 
-    async def _check_start_time(self, replica: Replica) -> None:
+    async def _check_start_time(self, replica: Replica) -> bool:
+        """Notice a restart by the process start time; False when ``/metrics`` has a start time that is
+        not a number: a restart could not be noticed, so the replica has no print until it reads well
+        again (then its base is fingerprinted again)."""
         try:
             async with self.pool.session.get(f"{replica.url}/metrics") as response:
                 text = await response.read() if response.status == 200 else b""
         except (aiohttp.ClientError, TimeoutError):
-            return
-        found = _START_TIME.search(text)
-        if found is None:
-            return
-        started = float(found[1])
+            return True
         prints = replica.prints
+        try:
+            started = answers.start_time(text)
+        except MalformedAnswer as exc:
+            self._no_print(replica, f"its /metrics is malformed, restarts cannot be seen: {exc.reason}",
+                           retry_after=0.0)  # fmt: skip
+            prints.start_time = None
+            return False
+        if started is None:
+            return True
         known, prints.start_time = prints.start_time, started
         noticed = prints.incarnation != replica.incarnation  # a restart already noticed, not printed yet
         if known is not None and abs(started - known) > 1e-3 and not noticed:
             replica.restarted("its process start time changed")
+        return True
 
     async def _check_bytes(self, replica: Replica) -> None:
         name, root = replica.listing.base_name or "", replica.listing.base_root

@@ -4,7 +4,8 @@ Under the default ``version-scoped`` strategy nothing is purged: versioned names
 salts keep every effective model in its own namespace. Under ``purge-all``, every version or epoch
 change seen by the snapshot drains the retired versions' in-flight requests (bounded by the drain
 grace), then resets the prefix cache of every healthy replica, retrying while a replica answers that
-blocks are still in use. Safe, and costly: every tenant's next requests are cold.
+blocks are still in use. Safe, and costly: every tenant's next requests are cold. It needs a server
+that can purge (``BackendDialect.prefix_purge``): on any other, kvgate refuses to start with it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 
 import aiohttp
 
+from gateway.core.errors import KvgateError
 from gateway.fleet.backends import LoadFailed
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.table.snapshot import Snapshot
@@ -35,6 +37,11 @@ class PurgeAll:
         drain_grace: float,
         attempts: int = 100,
     ) -> None:
+        if not pool.dialect.prefix_purge:  # refused at start: kvgate would believe caches were purged
+            raise KvgateError(
+                f'invalidation = "purge-all" needs replicas that can purge their prefix cache; '
+                f'{pool.dialect.name} replicas cannot (use invalidation = "version-scoped")'
+            )
         self.pool = pool
         self.snapshot = snapshot
         self.metrics = metrics

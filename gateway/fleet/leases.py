@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.periodic import periodically
-from gateway.table.epoch_table import REDIS_DOWN
+from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED
 from gateway.table.leases import LeaseTable, UnloadClaim
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,19 @@ class Leases:
             keep = {name for (url, name) in self._held if url == replica}
             await self.table.refresh(replica, names, keep, since=since)
 
+    @property
+    def interval(self) -> float:
+        """Seconds between heartbeats: a quarter of the leases' time to live."""
+        return self.table.ttl_ms / 4000
+
     async def run(self) -> None:
-        interval = self.table.ttl_ms / 4000
+        """Beat until cancelled; Redis unreachable or refusing the write (``maxmemory``) is waited out."""
+        interval = self.interval
 
         def unreachable(exc: Exception) -> None:
             log.warning("lease heartbeat failed (leases expire after %.0f s): %s", interval * 4, exc)
 
-        await periodically(interval, self.heartbeat, survive=REDIS_DOWN, on_error=unreachable)
+        await periodically(interval, self.heartbeat, survive=REDIS_DOWN + REDIS_REFUSED, on_error=unreachable)
 
     async def let_go(self) -> None:
         """On shutdown: drop every lease at once instead of waiting for them to expire."""
@@ -95,7 +101,7 @@ class Leases:
         try:
             for replica in sorted(self._replicas):
                 await self.table.refresh(replica, {}, set(), since=self.table.now_ms() + 1)
-        except REDIS_DOWN as exc:
+        except REDIS_DOWN + REDIS_REFUSED as exc:
             log.warning("could not drop leases on shutdown (they expire by themselves): %s", exc)
 
     async def begin_unload(self, replica: str, name: str, *, force: bool, claim_ms: int) -> UnloadClaim:

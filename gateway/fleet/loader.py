@@ -12,6 +12,7 @@ replica serves on another base than they were published for (its base fingerprin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -92,16 +93,22 @@ class AdapterLoader:
         if task is None:
             task = asyncio.create_task(self._load(target, version, reason))
             self._loading[key] = task
-            task.add_done_callback(lambda done: self._load_done(key, done))
+            task.add_done_callback(functools.partial(self._loaded, key))
         await asyncio.shield(task)
 
-    def _load_done(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+    def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        """A load ended. Its failure is logged here: its requests may all have left (it runs on without
+        them), and a failure nobody retrieves would be asyncio's "Task exception was never retrieved"."""
         self._loading.pop(key, None)
-        if task.cancelled():
-            return
-        failed = task.exception()  # retrieved, whoever still awaits it (they get it too)
-        if failed is not None:
-            log.info("loading %s on %s failed: %s", key[1], key[0], failed)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("load of %s on %s failed: %s", key[1], key[0], exc)
+
+    async def stop(self) -> None:
+        """On shutdown, before the session closes: cancel the loads in flight (their requests are gone)."""
+        loads = list(self._loading.values())
+        for task in loads:
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
 
     async def _load(self, replica: Replica, version: VersionState, reason: str) -> None:
         token = secrets.token_hex(8)

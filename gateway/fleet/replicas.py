@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from gateway.core.errors import ReplicaBusy
+from gateway.core.errors import MalformedAnswer, ReplicaBusy
 from gateway.core.identity import base_identity
 from gateway.core.model import VersionState
 from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.periodic import periodically
-from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ReplicaPrints:
     changed_reason: str = ""  # why the last change made it another base
     failures: int = 0  # probes that failed in this incarnation
     unprintable: str = ""  # why this incarnation cannot be fingerprinted ('' : it can, or not tried)
+    retry_at: float = 0.0  # monotonic time after which an unprintable incarnation is probed again
 
 
 class Replica:
@@ -59,6 +60,8 @@ class Replica:
         self.pool_wait = pool_wait
         self.slots = asyncio.Semaphore(max_connections) if max_connections else None
         self.healthy = False
+        self.unhealthy_reason = "not polled yet"
+        """Why it is unhealthy ('' while healthy): unreachable, an error status, or a malformed listing."""
         self.listing = AdapterListing(None, None)
         self.in_flight = 0
         self.in_flight_by_name: Counter[str] = Counter()
@@ -187,10 +190,11 @@ class ReplicaPool:
     async def refresh(self, replica: Replica) -> None:
         try:
             listing = await self.dialect.list_adapters(self.session, replica.url)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            if replica.healthy:
-                log.warning("replica %s is unhealthy: %r", replica.url, exc)
-            replica.healthy = False
+        except MalformedAnswer as exc:  # it answered, but kvgate cannot tell what it serves
+            self._unhealthy(replica, f"its /v1/models answer is malformed: {exc.reason}")
+            return
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._unhealthy(replica, f"unreachable: {exc!r}")
             return
         incarnation = replica.incarnation
         if not replica.healthy:
@@ -198,9 +202,16 @@ class ReplicaPool:
         elif replica.listing.adapters and not listing.adapters:
             replica.restarted("its listing lost every adapter")
         replica.listing = listing
-        replica.healthy = True
+        replica.healthy, replica.unhealthy_reason = True, ""
         if replica.incarnation != incarnation and self.after_restart is not None:
             await self.after_restart(replica)
+
+    @staticmethod
+    def _unhealthy(replica: Replica, reason: str) -> None:
+        """Mark it unhealthy; logged once per reason (a malformed answer repeats every poll)."""
+        if replica.healthy or reason != replica.unhealthy_reason:
+            log.warning("replica %s is unhealthy: %s", replica.url, reason)
+        replica.healthy, replica.unhealthy_reason = False, reason
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(replica) for replica in self.replicas))
@@ -231,6 +242,8 @@ class ReplicaPool:
                 await self.record(table, replica)
 
         def redis_down(exc: Exception) -> None:
-            log.debug("could not record loaded adapters: %s", exc)
+            refused = isinstance(exc, REDIS_REFUSED)  # Redis answers: say so (an outage shows elsewhere)
+            level = logging.WARNING if refused else logging.DEBUG
+            log.log(level, "could not record loaded adapters: %s", exc)
 
-        await periodically(interval, step, survive=REDIS_DOWN, on_error=redis_down)
+        await periodically(interval, step, survive=REDIS_DOWN + REDIS_REFUSED, on_error=redis_down)

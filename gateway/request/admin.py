@@ -112,7 +112,8 @@ class Admin:
             for s in self.snapshot
         }  # fmt: skip
         replicas = [
-            {"id": replica_id(r.url), "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
+            {"id": replica_id(r.url), "url": r.url, "healthy": r.healthy,
+             "unhealthy_reason": r.unhealthy_reason or None, "in_flight": r.in_flight,
              "base": r.listing.base_name, "max_model_len": r.listing.max_model_len,
              "adapters": r.listing.adapters, **base_status(self.pool, r, self.snapshot)}
             for r in self.pool.replicas
@@ -121,6 +122,7 @@ class Admin:
             "generation": self.snapshot.generation,
             "snapshot_flushed": self.snapshot.flushed,
             "snapshot_staleness_s": self.snapshot.staleness(),
+            "malformed_rows": self.snapshot.malformed,
             "versions": versions,
             "replicas": replicas,
             "prefix_index_entries": len(self.index),

@@ -17,9 +17,10 @@ from typing import Any
 
 import redis.exceptions
 
+from gateway.core.errors import MalformedRow
 from gateway.core.model import VersionState
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, _parse_state
+from gateway.table.epoch_table import EpochTable, parse_state
 
 START = "0-0"  # the position before the first entry
 
@@ -43,6 +44,7 @@ class Entry:
     logical_id: str
     action: str  # publish, rollback, bump, reseeded, drift (the scrub saw a write that bypassed the scripts)
     state: VersionState | None  # the ID's state as the change left it; None: it has none
+    malformed: str = ""  # why the entry is not one the scripts write ('' : it is); such an entry is skipped
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,22 @@ class ChangeLog:
 
 
 def _entry(position: str, raw: dict[Any, Any]) -> Entry:
-    fields = {_bytes(name): _bytes(value) for name, value in raw.items()}
-    logical_id = fields.pop(b"id").decode()
-    action = fields.pop(b"action").decode()
-    return Entry(position, logical_id, action, _parse_state(logical_id, fields))
+    """One stream entry; an entry the scripts did not write (a direct ``XADD``: no ``id``, an epoch that
+    is no number) is returned marked ``malformed``, never raised: the follower skips it and reads on."""
+    try:
+        fields = {_bytes(name): _bytes(value) for name, value in raw.items()}
+        logical_id, action = fields.pop(b"id", None), fields.pop(b"action", None)
+        if logical_id is None or action is None:
+            raise MalformedRow(
+                f"change-log entry {position} has no {'id' if logical_id is None else 'action'}"
+            )
+        try:
+            id_text, action_text = logical_id.decode(), action.decode()
+        except UnicodeDecodeError:
+            raise MalformedRow(f"change-log entry {position}: its id or action is not UTF-8") from None
+        return Entry(position, id_text, action_text, parse_state(id_text, fields))
+    except MalformedRow as exc:
+        return Entry(position, "", "", None, malformed=exc.reason)
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +26,7 @@ import redis.exceptions
 from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.commands.core import AsyncScript
 
-from gateway.core.errors import BadRequest, EpochTableError, ModelNotFound, VersionNotFound
+from gateway.core.errors import BadRequest, EpochTableError, MalformedRow, ModelNotFound, VersionNotFound
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.table.connection import RedisClient, write_acked
@@ -41,6 +42,11 @@ REDIS_DOWN = (
     OSError,
 )
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
+REDIS_REFUSED = (redis.exceptions.ResponseError,)
+"""Redis answered and refused the command: ``maxmemory`` reached ("OOM command not allowed", an
+``OutOfMemoryError``), a read-only replica, a script's error. Not an outage (reads still work, so the
+snapshot is never flushed for it); a loop whose step writes (the replica poll's record, the leases
+heartbeat) waits it out like an outage and writes again at its next step."""
 READ_PAGE = 1_000  # IDs per page of a full read
 PREFIX_MIN = keys.DIGEST_PREFIX_MIN
 LOGGED = (keys.LOG, keys.ROWS, keys.CHECK)  # the change log's keys, declared by every logged script
@@ -214,7 +220,7 @@ class EpochTable:
 
     async def read_state(self, logical_id: str) -> VersionState | None:
         raw: dict[bytes, bytes] = await self.redis.hgetall(keys.state(logical_id))  # type: ignore[assignment]
-        return _parse_state(logical_id, raw)
+        return parse_state(logical_id, raw)
 
     async def has_version(self, logical_id: str, base: str, digest: str) -> bool:
         """Whether DIGEST was ever published (or re-seeded) for BASE under LOGICAL_ID."""
@@ -227,28 +233,35 @@ class EpochTable:
         while True:
             generation, cursor = await self.ensure_generation(), "0"
             states: dict[str, VersionState] = {}
+            malformed: dict[str, str] = {}
             while True:
                 cursor, rows = await self.run("read_page", [keys.IDS], [cursor, page, keys.STATE_PREFIX])
-                for logical_id, fields in json.loads(rows):
-                    raw = {name.encode(): value.encode() for name, value in fields.items()}
-                    if (state := _parse_state(logical_id, raw)) is not None:
+                # bytes that are not UTF-8 come through as they are: kept (surrogates) for the row's check
+                for logical_id, fields in json.loads(_text(rows, "surrogateescape")):
+                    raw = {_raw(name): _raw(value) for name, value in fields.items()}
+                    try:
+                        state = parse_state(logical_id, raw)
+                    except MalformedRow as exc:
+                        malformed[logical_id] = exc.reason
+                        continue
+                    if state is not None:
                         states[logical_id] = state
                 if (cursor := _text(cursor)) == "0":
                     break
             if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
-                return TableView(generation, states)
+                return TableView(generation, states, malformed)
 
     async def read_history(self, logical_id: str) -> list[dict[str, Any]]:
         raw = await self.redis.lrange(keys.history(logical_id), 0, -1)
         return [json.loads(item) for item in raw]
 
     async def read_loaded(self) -> dict[str, dict[str, str]]:
-        replicas = sorted(_text(r) for r in await self.redis.smembers(keys.REPLICAS))
+        replicas = sorted(_text(r, "replace") for r in await self.redis.smembers(keys.REPLICAS))
         loaded: dict[str, dict[str, str]] = {}
         for replica in replicas:
             doc = await self.redis.get(keys.replica_loaded(replica))
             if doc is not None:
-                loaded[replica] = json.loads(doc)
+                loaded[replica] = _loaded_doc(replica, doc)
         return loaded
 
 
@@ -275,19 +288,52 @@ def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
     raise EpochTableError(f"epoch table script returned unknown code {code}")
 
 
-def _parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | None:
+_EPOCH = re.compile(rb"[0-9]{1,18}")
+_STATE_FIELDS = (b"digest", b"name", b"path", b"base")
+
+
+def parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | None:
+    """One state hash as the scripts write it (None: the ID has no state); ``MalformedRow`` when it is
+    not one: a field missing or not UTF-8, an epoch that is not a whole number."""
     if not raw or b"digest" not in raw:
         return None
-    return VersionState(
-        logical_id=logical_id,
-        digest=raw[b"digest"].decode(),
-        name=raw[b"name"].decode(),
-        path=raw[b"path"].decode(),
-        base=raw[b"base"].decode(),
-        epoch=int(raw[b"epoch"]),
-        base_print=raw.get(b"base_print", b"").decode(),
-    )
+    try:
+        logical_id.encode()
+    except UnicodeEncodeError:
+        raise MalformedRow(f"logical ID {logical_id!r} is not UTF-8") from None
+    text: dict[bytes, str] = {}
+    for name in (*_STATE_FIELDS, b"base_print"):
+        value = raw.get(name, b"" if name == b"base_print" else None)
+        if value is None:
+            raise MalformedRow(f"state of {logical_id!r} has no {name.decode()!r}")
+        try:
+            text[name] = value.decode()
+        except UnicodeDecodeError:
+            raise MalformedRow(f"state of {logical_id!r}: {name.decode()!r} is not UTF-8") from None
+    epoch = raw.get(b"epoch")
+    if epoch is None or not _EPOCH.fullmatch(epoch):
+        raise MalformedRow(f"state of {logical_id!r}: epoch {epoch!r} is not a whole number")
+    return VersionState(logical_id=logical_id, digest=text[b"digest"], name=text[b"name"],
+                        path=text[b"path"], base=text[b"base"], epoch=int(epoch),
+                        base_print=text[b"base_print"])  # fmt: skip
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _loaded_doc(replica: str, doc: bytes | str) -> dict[str, str]:
+    """What a replica has loaded (name -> root) as recorded; a record that is not one reads as nothing."""
+    try:
+        loaded = json.loads(_text(doc, "replace"))
+    except (ValueError, RecursionError):
+        loaded = None
+    if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
+        log.warning("the loaded adapters recorded for %s are malformed: left out", replica)
+        return {}
+    return loaded
+
+
+def _text(value: bytes | str, errors: str = "strict") -> str:
+    return value.decode(errors=errors) if isinstance(value, bytes) else value
+
+
+def _raw(value: str) -> bytes:
+    """A string read with ``surrogateescape`` as the bytes Redis held."""
+    return value.encode(errors="surrogateescape")

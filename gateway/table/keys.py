@@ -68,6 +68,10 @@ HISTORY_KEPT = 100
 DIGEST_PREFIX_MIN = 8  # a rollback target given as a digest prefix needs at least this many characters
 CALLERS = f"{PREFIX}:callers"
 CALLER_HINTS = f"{PREFIX}:callers:hints"
+CALLERS_MARK = "!made"
+"""A field of ``CALLERS`` (never a key id: those are hex), a random token set when the first key is made: a
+key table without it (or with another one) where a kvgate had read keys was wiped (``FLUSHALL``, Redis
+back empty), not emptied by revokes."""
 KEY_ID_LENGTH = 12
 
 

@@ -10,6 +10,7 @@ request can start on a name that is being unloaded. All of one replica's lease k
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.scripts import codes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,26 +84,51 @@ class LeaseTable:
     async def shared_last_use(self, replica: str, names: list[str]) -> dict[str, int]:
         """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``, for
         ``names`` only (the adapters it has: at most the budget). The hash can hold more (a name whose
-        last use was shared after its unload), so it is never read whole on the load path."""
+        last use was shared after its unload), so it is never read whole on the load path. A value that
+        is not a time (a direct write) is left out."""
         if not names:
             return {}
         raw = await self.table.redis.hmget(keys.last_use(replica), names)
-        return {name: int(used) for name, used in zip(names, raw, strict=True) if used is not None}
+        return {
+            name: used
+            for name, value in zip(names, raw, strict=True)
+            if value is not None and (used := _ms(value)) is not None
+        }
 
 
 async def live_gateways(table: EpochTable) -> dict[str, dict[str, Any]]:
     """Gateway id -> its last heartbeat's document, for every gateway whose heartbeat has not expired."""
-    ids = sorted(_text(i) for i in await table.redis.smembers(keys.GATEWAYS))
+    ids = sorted(_text(i, "replace") for i in await table.redis.smembers(keys.GATEWAYS))
     alive = {}
     for gateway_id in ids:
         doc = await table.redis.get(keys.gateway(gateway_id))
         if doc is not None:
-            alive[gateway_id] = json.loads(doc)
+            alive[gateway_id] = _report(gateway_id, doc)
     gone = set(ids) - set(alive)
     if gone:
         await table.redis.srem(keys.GATEWAYS, *gone)
     return alive
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _ms(value: bytes | str) -> int | None:
+    """A stored time in ms; None when it is not one (a direct write: that row is left out)."""
+    text = _text(value, "replace").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
+
+
+def _report(gateway_id: str, doc: bytes | str) -> dict[str, Any]:
+    """A live gateway's heartbeat document; one that is not a JSON object still counts it alive."""
+    try:
+        report = json.loads(_text(doc, "replace"))
+    except (ValueError, RecursionError):
+        report = None
+    if not isinstance(report, dict):
+        log.warning(
+            "gateway %s's heartbeat document is malformed: %r", gateway_id, _text(doc, "replace")[:80]
+        )
+        return {"malformed": True}
+    return report
+
+
+def _text(value: bytes | str, errors: str = "strict") -> str:
+    return value.decode(errors=errors) if isinstance(value, bytes) else value

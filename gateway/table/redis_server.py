@@ -114,7 +114,6 @@ class EmbeddedRedis:
         self.answer_timeout = answer_timeout
         self.restarts = 0
         self.restarts_failed = 0  # in a row
-        self._retry_at = 0.0  # after a failed restart, the supervisor waits (doubling) before the next
         self._lock: int | None = None  # the owner.lock descriptor while this object owns the directory
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -224,13 +223,9 @@ class EmbeddedRedis:
 
     async def supervise(self, interval: float = 0.2) -> None:
         """Run until cancelled (the owner, on its event loop's thread): a server that exits is started
-        again from its append-only file; a failed restart is logged and tried again."""
-        await periodically(
-            interval,
-            self._revive,
-            survive=(KvgateError, OSError, subprocess.SubprocessError),
-            on_error=lambda exc: log.error("could not restart the embedded redis-server: %s", exc),
-        )
+        again from its append-only file. A failed restart raises: the caller's supervisor tries again
+        with backoff, and ends the process when the server cannot be restarted."""
+        await periodically(interval, self._revive)
 
     async def _revive(self) -> None:
         process = self._process
@@ -242,15 +237,11 @@ class EmbeddedRedis:
                 process.pid, process.returncode,
             )  # fmt: skip
             self._process = None
-        if time.monotonic() < self._retry_at:
-            return
-        failures = self.restarts_failed
         try:
             self._spawn(shares=True)  # here, on the owner's thread: the parent-death signal follows it
             await asyncio.to_thread(self._until_answers)
         except BaseException:
             self.restarts_failed += 1
-            self._retry_at = time.monotonic() + min(30.0, 0.5 * 2**failures)
             raise
         self.restarts += 1
         self.restarts_failed = 0
@@ -326,7 +317,8 @@ class EmbeddedRedis:
             if process.poll() is not None or time.monotonic() > deadline:
                 self._stop_child()
                 tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                raise KvgateError(f"embedded redis-server did not start:\n{tail}")
+                last = (tail.strip().splitlines() or ["no log"])[-1]  # its reason, on the first line
+                raise KvgateError(f"embedded redis-server did not start ({last.strip()}):\n{tail}")
             time.sleep(0.05)
 
     def _stop_child(self) -> None:

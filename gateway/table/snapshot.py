@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
-from gateway.table.changelog import START, Beat, ChangeLog, Entry, row_hash
-from gateway.table.epoch_table import REDIS_DOWN, EpochTable
+from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id, row_hash
+from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.reseed import Reseeder
 from gateway.telemetry.metrics import Metrics
 
@@ -47,6 +47,10 @@ class Snapshot:
         self.retired: dict[str, float] = {}
         """Versioned names that stopped being current, with the monotonic time they did."""
         self.refreshed_at = 0.0
+        """Monotonic time it last held every change the table had (a full read, or a heartbeat whose
+        newest entry it had applied by then): ``staleness`` grows while the follower cannot advance."""
+        self.malformed: dict[str, str] = {}
+        """Logical ID -> why its state row is unreadable, as the last full read found it (left out)."""
         self.flushed = True  # nothing read yet, or the Redis connection dropped since the last read
 
     def get(self, logical_id: str) -> VersionState | None:
@@ -63,7 +67,13 @@ class Snapshot:
 
     def replace(self, view: TableView, position: str = START) -> None:
         new_table = bool(self.generation) and view.generation != self.generation
-        gone = self._states.keys() if new_table else self._states.keys() - view.states.keys()
+        # an ID whose row is malformed keeps what the snapshot held: it serves the previous version (a lagging
+        # snapshot is coherent), not a 404, while status and /healthz name the row
+        gone = (
+            self._states.keys()
+            if new_table
+            else self._states.keys() - view.states.keys() - view.malformed.keys()
+        )
         for logical_id in list(gone):  # a new generation (Redis came back empty): nothing carries over
             self.put(logical_id, None)
         for state in view.states.values():
@@ -72,6 +82,7 @@ class Snapshot:
             for logical_id in view.states:
                 self.on_epoch_change(logical_id)
         self.generation = view.generation
+        self.malformed = dict(view.malformed)
         self.position = position
         self.refreshed_at = time.monotonic()
         self.flushed = False
@@ -92,6 +103,10 @@ class Snapshot:
     def _retire(self, state: VersionState) -> None:
         self.retired.setdefault(state.name, time.monotonic())
 
+    def health(self) -> dict[str, dict[str, str]]:
+        """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
+        return {"malformed_rows": dict(self.malformed)}
+
     def staleness(self) -> float:
         return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")
 
@@ -110,6 +125,7 @@ class SyncCounts:
     heartbeats: int = 0
     entries: int = 0  # change-log entries applied
     drift: int = 0  # of them, 'drift' entries: the scrub saw a write that bypassed the scripts
+    malformed: int = 0  # entries skipped: not what the scripts write (a direct XADD)
 
 
 class SnapshotSync:
@@ -138,6 +154,8 @@ class SnapshotSync:
         self.metrics = metrics
         self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
         self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
+        self._beat: tuple[str, float] | None = None  # (newest entry, monotonic time) of a heartbeat the
+        # follower had not caught up with: once it applies that entry, the snapshot was current then
         self._hinted: dict[str, asyncio.Task[None]] = {}  # replica URL -> its hinted refresh, running
         self._hinted_again: set[str] = set()  # hinted again while its refresh ran: one more refresh
 
@@ -158,7 +176,14 @@ class SnapshotSync:
         if new_table and self.reseeder and await self.reseeder.reseed(self.snapshot, view.generation):
             position = await self.log.head()
             view = await self.table.read_all()  # with what was re-seeded
+        for logical_id, reason in view.malformed.items():
+            if self.snapshot.malformed.get(logical_id) != reason:
+                log.error("epoch table: the state of %r is malformed, left out of the snapshot: %s",
+                          logical_id, reason)  # fmt: skip
+                if self.metrics is not None:
+                    self.metrics.malformed_rows.labels("state").inc()
         self.snapshot.replace(view, position)
+        self._beat = None
 
     async def run(self) -> None:
         """Run until cancelled: the log follower, the heartbeat and (with a hook) the replica hints."""
@@ -169,13 +194,13 @@ class SnapshotSync:
                 group.create_task(self._forever(LISTEN_RETRY_S, self._listen))
 
     async def _forever(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
-        """A step that fails is retried after INTERVAL, whatever failed: a follower that stopped would
-        leave this kvgate serving the versions it last saw, for good."""
-        await periodically(interval, step, survive=(Exception,), on_error=self._dropped)
+        """A step that Redis fails (down, or refusing a command) is retried after INTERVAL; any other
+        failure ends ``run``, and its supervisor restarts it (logged, counted, on /healthz)."""
+        await periodically(interval, step, survive=REDIS_DOWN + REDIS_REFUSED, on_error=self._dropped)
 
     def _dropped(self, exc: Exception) -> None:
-        if not isinstance(exc, REDIS_DOWN):
-            log.error("following the epoch table failed (retrying): %r", exc, exc_info=exc)
+        if not isinstance(exc, REDIS_DOWN):  # Redis answers but refused: the snapshot stays trusted
+            log.warning("the epoch table refused a command (retrying): %s", exc)
             return
         if not self.snapshot.flushed:
             log.warning("epoch table unreachable, serving the last snapshot until it answers: %s", exc)
@@ -196,7 +221,21 @@ class SnapshotSync:
                 self._checked_at = beat.last
                 await self._full_read("checksum")
             self.snapshot.flushed = False
-            self.snapshot.refreshed_at = time.monotonic()
+            self._confirm(beat.last, time.monotonic())
+
+    def _confirm(self, last: str, at: float) -> None:
+        """The table's newest entry was LAST at AT: if the snapshot has applied it, it was current then;
+        else it will have been once the follower applies it (``_applied``)."""
+        position = self.snapshot.position
+        if position and entry_id(position) >= entry_id(last):
+            self.snapshot.refreshed_at = max(self.snapshot.refreshed_at, at)
+            self._beat = None
+        elif self._beat is None:
+            self._beat = (last, at)  # the oldest unconfirmed beat: staleness counts from the last confirmed
+
+    def _applied(self) -> None:
+        if self._beat is not None:
+            self._confirm(*self._beat)
 
     def _disagrees(self, beat: Beat) -> bool:
         """The snapshot has read the log up to the table's newest entry, yet holds other rows. Once a full
@@ -224,8 +263,16 @@ class SnapshotSync:
                     continue
                 for entry in entries:
                     self._apply(entry)
+                self._applied()
 
     def _apply(self, entry: Entry) -> None:
+        if entry.malformed:  # skipped: what it should have said, the checksum and the scrub repair
+            self.counts.malformed += 1
+            if self.metrics is not None:
+                self.metrics.malformed_rows.labels("change_log").inc()
+            log.error("epoch table: skipped a malformed change-log entry: %s", entry.malformed)
+            self.snapshot.position = entry.position
+            return
         self.counts.entries += 1
         if self.metrics is not None:
             self.metrics.log_entries.labels(entry.action).inc()

@@ -11,10 +11,12 @@ here: a plain ``Counter``/``Histogram``/``Gauge``, or ``self._counter_by_id(...)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K, OTHER, TopIds
 
@@ -125,9 +127,18 @@ class Metrics:
             ["action"],
             registry=r,
         )
+        self.malformed_rows = Counter(
+            "kvgate_malformed_rows",
+            "Rows read from Redis that are not what kvgate writes, each skipped (its own problem, not the "
+            "read's), by kind: change_log (an entry the follower skipped), state (a logical ID's state "
+            "hash), caller (an API key)",
+            ["kind"],
+            registry=r,
+        )
         self.staleness = Gauge(
             "kvgate_snapshot_staleness_seconds",
-            "Seconds since the snapshot was last confirmed current (a full read or a heartbeat)",
+            "Seconds since the snapshot was last known current: it held every change the table had at that "
+            "time (a full read, or a heartbeat whose newest change-log entry it had applied)",
             registry=r,
         )
         self.audits = self._counter_by_id(
@@ -158,8 +169,28 @@ class Metrics:
         for counter in self._by_id:
             counter.remove_by_labels({ID_LABEL: logical_id})
 
+    def track_restarts(self, restarts: Callable[[], dict[str, int]]) -> None:
+        """``kvgate_background_restarts_total{task}``: restarts of each supervised background task (its
+        names are a fixed set: one per loop)."""
+        self.registry.register(_Restarts(restarts))
+
     def track_staleness(self, staleness: Callable[[], float]) -> None:
         self.staleness.set_function(staleness)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Restarts(Collector):
+    """The supervisor's restart counts, read at each scrape (the supervisor owns them)."""
+
+    def __init__(self, restarts: Callable[[], dict[str, int]]) -> None:
+        self.restarts = restarts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "kvgate_background_restarts", "Restarts of background tasks that failed, by task", labels=["task"]
+        )
+        for task, count in sorted(self.restarts().items()):
+            family.add_metric([task], count)
+        yield family

@@ -20,7 +20,16 @@ local CODE = {
 
 -- Leases live in one hash per replica, field '<versioned name>|<gateway id>' -> expiry (ms); the field
 -- '<versioned name>|!unloading' marks an unload in progress. A versioned name never contains '|'.
+-- An expiry that is not a whole number of ms (a direct write) counts as expired, wherever it is read.
 local UNLOADING_MARK = '!unloading'
+
+-- A stored time in ms, or nil when VALUE is not one (digits only: tonumber takes 'NaN', 'inf', '0x10').
+local function stored_ms(value)
+  if type(value) == 'string' and string.match(value, '^%d+$') then
+    return tonumber(value)
+  end
+  return nil
+end
 
 local function lease_field(name, owner)
   return name .. '|' .. owner
@@ -33,7 +42,7 @@ local function live_leases(key, name, owner, now)
   local prefix = name .. '|'
   local fields = redis.call('HGETALL', key)
   for i = 1, #fields, 2 do
-    local field, expiry = fields[i], tonumber(fields[i + 1])
+    local field, expiry = fields[i], stored_ms(fields[i + 1]) or 0
     local other = field ~= lease_field(name, UNLOADING_MARK) and field ~= lease_field(name, owner)
     if string.sub(field, 1, string.len(prefix)) == prefix and other then
       if expiry > tonumber(now) then
@@ -99,7 +108,7 @@ local function log_change(state, log, rows, check, id, action, keep)
     row[fields[i]] = fields[i + 1]
   end
   local new = row_hash(id, row.digest, row.epoch, row.base, row.name, row.path, row.base_print)
-  local old = tonumber(redis.call('HGET', rows, id) or '0')
+  local old = tonumber(redis.call('HGET', rows, id) or '0') or 0  -- malformed: the checksum then disagrees
   if new == 0 then
     redis.call('HDEL', rows, id)
   else

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -219,6 +221,7 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
     fixture_dir: Path,
     tmp_path: Path,
     http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = tmp_path / "store"
     v1 = await publish("canary", fixture_dir / "adapters" / "v1", redis_server, store)
@@ -234,6 +237,7 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
         )
     finally:
         swap_back(path, saved)
+    caplog.set_level(logging.ERROR, logger="gateway.fleet.quarantine")
     async with make_gateway(**FAST, canary_interval=0.5) as gateway:  # both list v1 from its store path
         registry = gateway.metrics.registry
 
@@ -247,11 +251,34 @@ async def test_the_canary_catches_a_replica_serving_other_bytes_under_a_versione
             return verdicts(bad, "replica-mismatch") >= 1
 
         await eventually(caught, "the canary says replica-mismatch for the bad replica", within=120)
-        async with http.get(f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}) as r:
-            status = await r.json()
+
+        async def status() -> dict[str, Any]:
+            headers = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+            async with http.get(f"{gateway.url}/kvgate/status", headers=headers) as response:
+                page: dict[str, Any] = await response.json()
+                return page
+
+        async def repaired() -> bool:  # the quarantined copy is unloaded (no kvgate leases it there)
+            return v1["name"] not in await loaded(http, bad) and (await status())["quarantined"] == []
+
+        await eventually(repaired, "the bad replica's copy of v1 is unloaded and out of quarantine", 60)
+        last = (await status())["audits"]["canary"]  # the status page's "last audit verdict", per replica
+        repairs = registry.get_sample_value(
+            "kvgate_adapter_unloads_total", {"replica": bad.url, "reason": "repair"}
+        )
+        quarantines = {  # every quarantine this kvgate made, by (replica, reason): a counter, so a finding
+            tuple(s.labels.values()): s.value  # lifted by the repair above still counts here
+            for m in registry.collect() if m.name == "kvgate_quarantines"
+            for s in m.samples if s.name.endswith("_total") and s.value
+        }  # fmt: skip
     assert verdicts(good, "replica-mismatch") == 0
-    quarantined = status["quarantined"]
-    assert {(f["replica"], f["reason"]) for f in quarantined} <= {(bad.url, "canary: replica-mismatch")}
-    last = status["audits"]["canary"]  # the status page's "last audit verdict", per replica
+    assert quarantines == {(bad.url, "canary: replica-mismatch"): 1}, "the bad replica alone, once"
+    quarantine_log = [r.args for r in caplog.records if r.name == "gateway.fleet.quarantine"
+                      and str(r.msg).startswith("quarantined")]  # fmt: skip
+    assert [args[:3] for args in quarantine_log if isinstance(args, tuple)] == [
+        (v1["name"], bad.url, "canary: replica-mismatch")
+    ], "quarantined v1 on the bad replica, nothing else"
+    assert repairs == 1, "the quarantined copy was unloaded by the repair"
+    assert v1["name"] in await loaded(http, good), "the good replica's v1 was never quarantined nor unloaded"
     assert last[good.url]["verdict"] == "coherent"
     assert last[bad.url]["name"] == v1["name"]

@@ -10,6 +10,23 @@ DIALECTS = ("vllm", "sglang", "generic")
 """The names ``dialect_for`` accepts."""
 
 
+def start_warnings(dialect: BackendDialect) -> list[str]:
+    """What kvgate cannot do on ``dialect``'s servers, for warnings at start (empty: nothing)."""
+    warnings = []
+    if not dialect.runtime_loading:
+        warnings.append(
+            f"{dialect.name} replicas cannot load adapters at runtime: kvgate routes a version only to "
+            "replicas that list its versioned name; a new version is served once a replica is restarted "
+            "with it (kvgate publish prints its name and path)"
+        )
+    if not dialect.cache_namespaces:
+        warnings.append(
+            f"{dialect.name} replicas have no cache namespace: versions stay apart by their versioned "
+            "names alone, and an epoch bump cannot invalidate a replica's prefix cache"
+        )
+    return warnings
+
+
 def dialect_for(name: str) -> BackendDialect:
     """A fresh dialect for ``name`` (one of ``DIALECTS``); ValueError for any other name."""
     if name == "vllm":
@@ -31,4 +48,5 @@ __all__ = [
     "VllmDialect",
     "dialect_for",
     "fetch_model_list",
+    "start_warnings",
 ]

@@ -1,8 +1,17 @@
 """A plain OpenAI-compatible server whose adapters are fixed at start (TGI-style, or anything else).
 
-kvgate can only route to the versions such a server lists in ``/v1/models``: it cannot load, unload,
-purge or name a cache namespace there. Safety then rests on versioned names alone, so a server must be
-restarted (with the new versioned names) for a new version to be served.
+Choose it only for a server kvgate has no dialect for, knowing what is lost:
+
+- No loading: kvgate routes a version only to replicas whose ``/v1/models`` lists its versioned name
+  (``kvgate publish`` prints the name and the path to start the server with). A new version is served
+  once a replica was restarted with it; until then its requests get 503. Nothing is ever unloaded.
+- No cache namespace: requests carry none (a client's ``cache_salt``/``extra_key`` are still dropped).
+  Versions stay apart by their versioned names alone, so the server's prefix cache must key blocks by
+  adapter name; an epoch bump (``kvgate bump``) changes nothing on the wire, so it cannot invalidate a
+  cache; with API keys on, base-model callers of every tenant share one prefix cache.
+- No purge: ``invalidation = "purge-all"`` is refused at start.
+
+``kvgate serve`` logs these limits as warnings at start (``start_warnings``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ class GenericOpenAIDialect:
     name = "generic"
     runtime_loading = False
     cache_namespaces = False
+    prefix_purge = False
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
         return await fetch_model_list(session, url)

@@ -23,13 +23,13 @@ Purge. ``/flush_cache`` answers 200 when it flushed, 400 while requests are runn
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from gateway.core.errors import LoadFailed
+from gateway.core.errors import LoadFailed, MalformedAnswer
+from gateway.fleet.backends import answers
 from gateway.fleet.backends.base import AdapterListing, fetch_model_list
 
 _ALREADY_LOADED = ("already loaded", "already exists")
@@ -41,6 +41,7 @@ class SglangDialect:
     name = "sglang"
     runtime_loading = True
     cache_namespaces = True
+    prefix_purge = True
 
     def __init__(self) -> None:
         self._loaded: dict[str, dict[str, str]] = {}  # URL -> loaded_adapters of its last load/unload answer
@@ -82,10 +83,10 @@ class SglangDialect:
         async with session.post(f"{url}/flush_cache") as response:
             if response.status == 200:
                 return True
-            status, text = response.status, await response.text()
+            status, text = response.status, answers.reason_of(await response.read(), response.status)
         if _mentions(text, _BUSY):
             return False
-        raise LoadFailed(text.strip() or f"HTTP {status}", status)
+        raise LoadFailed(text, status)
 
     def set_cache_namespace(self, body: dict[str, Any], salt: str) -> None:
         body.pop("cache_salt", None)
@@ -107,12 +108,12 @@ class _Answer:
 
 
 async def _read_answer(response: aiohttp.ClientResponse) -> _Answer:
-    text = await response.text()
+    body = await response.read()
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = answers.json_of(body)
+    except MalformedAnswer:
         data = None
-    fallback = text.strip() or f"HTTP {response.status}"
+    fallback = answers.reason_of(body, response.status)
     if not isinstance(data, dict):
         return _Answer(response.status, response.status == 200, fallback, None)
     success = response.status == 200 and data.get("success", True) is not False

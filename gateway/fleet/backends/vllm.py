@@ -7,12 +7,12 @@ same path would keep matching blocks computed with the old weights.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import aiohttp
 
-from gateway.core.errors import LoadFailed
+from gateway.core.errors import LoadFailed, MalformedAnswer
+from gateway.fleet.backends import answers
 from gateway.fleet.backends.base import AdapterListing, fetch_model_list
 
 _ALREADY_LOADED = "has already been loaded"
@@ -22,6 +22,7 @@ class VllmDialect:
     name = "vllm"
     runtime_loading = True
     cache_namespaces = True
+    prefix_purge = True
 
     async def list_adapters(self, session: aiohttp.ClientSession, url: str) -> AdapterListing:
         return await fetch_model_list(session, url)
@@ -46,20 +47,16 @@ class VllmDialect:
         async with session.post(f"{url}/reset_prefix_cache") as response:
             if response.status != 200:
                 raise LoadFailed(await _reason(response), response.status)
-            text = await response.text()
+            body = await response.read()
         try:
-            return bool(json.loads(text).get("success", True))
-        except (ValueError, AttributeError):
-            return True
+            doc = answers.json_of(body)
+        except MalformedAnswer:
+            return True  # a 200 is the purge; only ``{"success": false}`` says it waits for blocks in use
+        return not (isinstance(doc, dict) and doc.get("success") is False)
 
     def set_cache_namespace(self, body: dict[str, Any], salt: str) -> None:
         body["cache_salt"] = salt
 
 
 async def _reason(response: aiohttp.ClientResponse) -> str:
-    text = await response.text()
-    try:
-        error = (await response.json(content_type=None)).get("error", {})
-        return str(error.get("message") or text)
-    except (ValueError, AttributeError):
-        return text.strip() or f"HTTP {response.status}"
+    return answers.reason_of(await response.read(), response.status)
