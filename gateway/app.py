@@ -135,8 +135,8 @@ def build_app(
         return await app[ADMIN].status(request)
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
-        body = app[METRICS].exposition()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        app[ADMIN].check_scrape(request, public=ADMIN_LISTENER not in app)
+        return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
         pool, snapshot, supervisor = app[POOL], app[SNAPSHOT], app[SUPERVISOR]

@@ -1,7 +1,9 @@
 """Settings: command-line options over ``KVGATE_*`` environment variables over a TOML config file.
 
 The config file is named by ``--config`` or ``KVGATE_CONFIG``; its keys are the field names below
-(``replicas = ["http://10.0.0.5:8000"]``). ``KVGATE_REPLICAS`` takes a comma-separated list.
+(``replicas = ["http://10.0.0.5:8000"]``). ``KVGATE_REPLICAS`` takes a comma-separated list. A named file
+that is missing, not a regular file, unreadable, not UTF-8 or not TOML is an error, never the defaults
+(a kvgate meant to run with ``auth = "api-keys"`` must not start open).
 
 Each field's docstring is its description, and the model is the one list of settings: each field is a
 flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by its annotation, and a
@@ -14,6 +16,7 @@ flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -21,13 +24,14 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from gateway.adapters.store import DEFAULT_MAX_BYTES
+from gateway.core.errors import BadRequest
 from gateway.core.identity import base_identity
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K
 
@@ -160,7 +164,11 @@ class Settings(BaseSettings):
     admin_host: str = "127.0.0.1"
     """Address of the admin listener (see admin_port)."""
     admin_port: int | None = Field(None, ge=0, le=65535)
-    """If set, /kvgate/status and /metrics are served on this port (with the API), 404 on the public one."""
+    """If set, /kvgate/status and /metrics are served on this port (with the API; /metrics without a
+    token, for Prometheus), 404 on the public one. Unset, both stay on the public port behind the admin
+    token: /metrics names logical IDs (the tenants), so it takes ``x-kvgate-admin-token`` or
+    ``Authorization: Bearer <admin token>`` (a scrape config's ``authorization``), and without an
+    admin token it is refused."""
     expose_replica_urls: bool = False
     """Name replicas by URL in ``x-kvgate-replica`` (default: a stable id; /kvgate/status maps id to URL)."""
     metrics_top_k: int = Field(DEFAULT_TOP_K, ge=0)
@@ -264,8 +272,8 @@ class Settings(BaseSettings):
             )
         if self.admin_port is None:
             warnings.append(
-                "API keys on, but /metrics (which names logical IDs) is on the public listener: "
-                "set admin_port to serve it on a listener of its own"
+                "API keys on, but the admin surface (/metrics names logical IDs) is on the public "
+                "listener, behind the admin token: set admin_port to serve it on a listener of its own"
             )
         return warnings
 
@@ -275,8 +283,38 @@ class Settings(BaseSettings):
         return base_identity(self.base_model, self.base_model_root)
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings a named TOML config file holds; any reason it cannot be read is a ``BadRequest``
+    naming the file (fail closed: a file that is not read must never mean the defaults)."""
+
+    def refused(why: str) -> BadRequest:
+        return BadRequest(f"config file {path}: {why}", param="config")
+
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise refused("does not exist") from None
+    except IsADirectoryError:
+        raise refused("is a directory, not a file") from None
+    except PermissionError:
+        raise refused("cannot be read (permission denied)") from None
+    except OSError as exc:
+        raise refused(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise refused(f"is not UTF-8 text (byte {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise refused(f"is not valid TOML ({exc})") from None
+
+
 def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Settings:
-    """Build settings with precedence: ``overrides`` (CLI) > environment > config file > defaults."""
+    """Build settings with precedence: ``overrides`` (CLI) > environment > config file > defaults.
+
+    A named ``config_file`` that cannot be read as TOML raises ``BadRequest`` (``read_config_file``)."""
+    from_file = read_config_file(config_file) if config_file is not None else None
 
     class _WithFile(Settings):
         @classmethod
@@ -289,8 +327,8 @@ def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Set
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
-            if config_file is not None:
-                sources += (TomlConfigSettingsSource(settings_cls, toml_file=config_file),)
+            if from_file is not None:
+                sources += (InitSettingsSource(settings_cls, init_kwargs=from_file),)
             return sources
 
     return _WithFile(**{k: v for k, v in overrides.items() if v is not None})

@@ -34,7 +34,9 @@ by `--config` (or `KVGATE_CONFIG`). A flag beats the environment, which beats th
 default. `kvgate serve` takes every setting; the other commands take the ones they use (**commands**
 below). A list (`replicas`) is `--replica URL` once per item, comma-separated in the environment
 (`KVGATE_REPLICAS=http://a:8000,http://b:8000`) and a TOML array. A value kvgate refuses (wrong type, out
-of bounds, or against a rule below) is one line on stderr and exit 2, before anything starts.
+of bounds, or against a rule below) is one line on stderr and exit 2, before anything starts; so is a
+named config file that does not exist, is a directory, cannot be read, is not UTF-8 or is not TOML (never
+the defaults in its place).
 
 ```toml
 # kvgate.toml: kvgate serve --config kvgate.toml

@@ -972,7 +972,9 @@ class Run:
         totals: dict[str, Counter[str]] = {name: Counter() for name in wanted}
         for gateway in self.gateways:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self.http.get(f"{gateway.url}/metrics") as response:
+                async with self.http.get(
+                    f"{gateway.url}/metrics", headers={ADMIN_TOKEN_HEADER: TOKEN}
+                ) as response:
                     text = await response.text()
                 for family in text_string_to_metric_families(text):
                     if family.name in wanted:

@@ -140,7 +140,7 @@ async def stub_counts(http: aiohttp.ClientSession, stubs: list[str]) -> Counter[
 
 async def metric(http: aiohttp.ClientSession, url: str, prefix: str) -> float:
     """The sum of ``/metrics`` samples whose line starts with ``prefix``."""
-    async with http.get(f"{url}/metrics") as response:
+    async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response:
         text = await response.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 

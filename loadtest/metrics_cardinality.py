@@ -138,7 +138,8 @@ async def end_to_end(ids: int) -> bytes:
         store = AdapterStore(Path(tmp) / "store")
         adapter = Path(tmp) / "adapter"
         adapter.mkdir()
-        (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+        config = '{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}'
+        (adapter / "adapter_config.json").write_text(config)
         (adapter / "adapter_model.safetensors").write_bytes(b"weights")
         artifact = store.ingest(adapter)
         names = [f"tenant-{i}" for i in range(ids)]
@@ -147,13 +148,15 @@ async def end_to_end(ids: int) -> bytes:
                 name, artifact.digest, versioned_name(name, artifact.digest), str(artifact.path), "base"
             )
         async with running(build_stub(StubState())) as stub_url:
-            settings = Settings(replicas=[stub_url], store=store.root, max_adapters_per_replica=ids + 1)
+            settings = Settings(
+                replicas=[stub_url], store=store.root, max_adapters_per_replica=ids + 1, admin_token="scrape"
+            )
             async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
                 for name in names:
                     body = {"model": name, "prompt": "p", "max_tokens": 1}
                     async with http.post(f"{url}/v1/completions", json=body) as response:
                         assert response.status == 200, await response.text()
-                async with http.get(f"{url}/metrics") as response:
+                async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": "scrape"}) as response:
                     text = await response.read()
         await redis.aclose()
     return text

@@ -61,7 +61,7 @@ def make_adapter(tmp_path: Path) -> MakeAdapter:
     def make(weights: bytes = b"weights-v1", *, extra: dict[str, bytes] | None = None) -> Path:
         root = tmp_path / f"adapter-{next(counter)}"
         root.mkdir()
-        config = {"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"]}
+        config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
         (root / "adapter_config.json").write_text(json.dumps(config))
         (root / "adapter_model.safetensors").write_bytes(weights)
         for name, data in (extra or {}).items():

@@ -60,6 +60,8 @@ class StubState:
     # request on the other model routes (embeddings, responses, tokenize, audio, ...)
     responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored /v1/responses by id
     echo_errors: bool = False  # completions answer 400 naming the model they were sent
+    load_gate: asyncio.Event | None = None  # while set to an unset event, loads wait for it
+    error_reply: tuple[int, bytes, str] | None = None  # completions answer (status, body, content type)
     in_flight: Counter[str] = field(default_factory=Counter)  # completions running, per model name
     unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
     weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
@@ -89,6 +91,8 @@ async def _load(request: web.Request) -> web.Response:
     state.load_requests += 1
     if state.load_delay:
         await asyncio.sleep(state.load_delay)
+    if state.load_gate is not None:  # a slow load: it answers once the gate opens
+        await state.load_gate.wait()
     if state.fail_loads:
         return web.json_response(
             {"error": {"message": state.fail_loads, "type": "NotFoundError"}}, status=404
@@ -137,6 +141,9 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
     model = body.get("model") or state.base  # vLLM: no model is the served (base) model
     if (refused := _unknown(state, model)) is not None:
         return refused
+    if state.error_reply is not None:  # a replica (or a proxy before it) answering in its own words
+        status, text, content_type = state.error_reply
+        return web.Response(body=text, status=status, content_type=content_type)
     if state.echo_errors:
         error = {"message": f"`{model}` cannot take this request", "type": "BadRequestError",
                  "param": "model", "code": 400}  # fmt: skip

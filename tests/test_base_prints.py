@@ -90,7 +90,10 @@ async def status(url: str) -> dict[str, Any]:
 
 
 async def metric(url: str, line_start: str) -> float | None:
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response,
+    ):
         for line in (await response.text()).splitlines():
             if line.startswith(line_start):
                 return float(line.rsplit(" ", 1)[1])

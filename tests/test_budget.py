@@ -22,6 +22,7 @@ from gateway.config import Settings
 from gateway.core.identity import versioned_name
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id
 from gateway.serving import free_port, running
+from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
@@ -287,3 +288,54 @@ async def test_a_load_goes_to_a_replica_with_room_when_the_least_loaded_one_is_f
     assert raw.headers["x-kvgate-replica"] == replica_id(url_y), "loaded where the budget had room"
     assert list(x.adapters) == [a], "X's adapter in use stayed"
     assert list(y.adapters) == [b]
+
+
+async def test_loads_waiting_for_a_slot_get_it_in_the_order_they_came(
+    redis: Redis, store: AdapterStore, publish: Publish
+) -> None:
+    """The churn loadtest (``loadtest.churn``: 2,000 IDs, budget 8) showed loads waiting seconds while
+    slots came free every few milliseconds: each waiting load polled on its own, and the room one load
+    made by evicting could go to any other, so a load could lose every race up to slot_wait_timeout (a
+    503). Waiting loads are served in the order they came, one slot each."""
+    names = [await publish(f"tenant-{i}", f"w{i}".encode()) for i in range(7)]
+    hold = asyncio.Event()
+    state = StubState(chunks=2, hold=hold)
+    async with (
+        running(build_stub(state)) as stub,
+        gateway(redis, store, stub, max_adapters_per_replica=1) as url,
+        client(url) as api,
+    ):
+        stream = await api.completions.create(model="tenant-0", prompt="p", stream=True)
+        await anext(aiter(stream))  # tenant-0 holds the only slot
+        waiting = []
+        for i in range(1, 7):  # each one a load that must wait for the slot, started in this order
+            waiting.append(asyncio.create_task(api.completions.create(model=f"tenant-{i}", prompt="p")))
+            await asyncio.sleep(0.1)
+        hold.set()
+        _ = [chunk async for chunk in stream]
+        served = await asyncio.gather(*waiting)
+    assert [answer.model for answer in served] == [f"tenant-{i}" for i in range(1, 7)]
+    assert state.loads == names, "loaded in the order the requests came"
+
+
+async def test_the_shared_last_use_keeps_only_what_a_replica_still_has(
+    redis: Redis, store: AdapterStore, publish: Publish
+) -> None:
+    """The other half of the churn loadtest's finding: each heartbeat shared the last use of every name
+    used since the last one, evicted ones included, after their unload had dropped it; the hash grew to
+    every ID ever served there (734 names at budget 8, 2,000 IDs), and every load that made room read it
+    whole. An evicted name stays out of it; the load path reads only the names the replica has."""
+    for i in range(12):
+        await publish(f"tenant-{i}", f"w{i}".encode())
+    state = StubState()
+    async with (
+        running(build_stub(state)) as stub,
+        gateway(redis, store, stub, max_adapters_per_replica=2, lease_ttl=4) as url,  # a beat a second
+        client(url) as api,
+    ):
+        for i in range(12):  # used and evicted between two heartbeats, most of them
+            await api.completions.create(model=f"tenant-{i}", prompt="p", max_tokens=1)
+        await asyncio.sleep(2.2)  # two heartbeats: what they share is in
+        shared = {n.decode() if isinstance(n, bytes) else n for n in await redis.hkeys(keys.last_use(stub))}
+    assert len(state.unloads) == 10
+    assert shared <= set(state.adapters), f"{len(shared)} names shared, {len(state.adapters)} loaded"

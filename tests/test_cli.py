@@ -82,6 +82,9 @@ def test_cli_adopts_a_running_embedded_redis(make_adapter: MakeAdapter, tmp_path
         ("no-config", "no adapter_config.json"),
         ("symlink", "refusing symlink"),
         ("missing", "is missing"),
+        ("empty-config", "adapter_config.json lacks r, lora_alpha, target_modules"),
+        ("r-a-word", 'adapter_config.json r must be a positive integer, not "eight"'),
+        ("utf16-config", "adapter_config.json is not UTF-8 text"),
     ],
 )
 def test_invalid_publish_exits_nonzero_and_writes_nothing(
@@ -91,6 +94,14 @@ def test_invalid_publish_exits_nonzero_and_writes_nothing(
     source = make_adapter(b"v1")
     if breakage == "no-config":
         (source / "adapter_config.json").unlink()
+    elif breakage == "empty-config":
+        (source / "adapter_config.json").write_text("{}")
+    elif breakage == "r-a-word":
+        config = source / "adapter_config.json"
+        config.write_text(config.read_text().replace('"r": 8', '"r": "eight"'))
+    elif breakage == "utf16-config":
+        config = source / "adapter_config.json"
+        config.write_text(config.read_text(), encoding="utf-16")
     elif breakage == "symlink":
         (source / "evil").symlink_to("/etc/passwd")
     else:

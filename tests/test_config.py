@@ -5,6 +5,7 @@ refused combinations."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -13,6 +14,7 @@ from pydantic import SecretStr, ValidationError
 
 from gateway.cli import build_parser, main, settings_from
 from gateway.config import Settings, load_settings
+from gateway.core.errors import BadRequest
 from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
 from gateway.settings_table import (
@@ -218,3 +220,51 @@ def test_invalid_settings_exit_2_with_one_line(
     assert err.startswith("kvgate serve: invalid settings: ")
     assert reason in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _config_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """A named config file kvgate cannot read as settings, and what the error must say of it."""
+    directory = tmp_path / "a-directory.toml"
+    directory.mkdir()
+    not_utf8 = tmp_path / "utf16.toml"
+    not_utf8.write_text('auth = "api-keys"\n', encoding="utf-16")
+    not_toml = tmp_path / "broken.toml"
+    not_toml.write_text('auth = "api-keys\n')
+    return {
+        "missing": (tmp_path / "no-such.toml", "does not exist"),
+        "directory": (directory, "is a directory, not a file"),
+        "not-utf8": (not_utf8, "is not UTF-8 text"),
+        "not-toml": (not_toml, "is not valid TOML"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "not-utf8", "not-toml"])
+def test_a_named_config_file_that_cannot_be_read_is_an_error(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Fail closed: a file meant to turn on ``auth = "api-keys"`` that is not read must never mean the
+    defaults (which answer unauthenticated requests). Every command that reads settings refuses it."""
+    path, why = _config_cases(tmp_path)[case]
+    with pytest.raises(BadRequest, match=f"config file {re.escape(str(path))}: {why}"):
+        load_settings({}, path)
+    assert main(["serve", "--replica", "http://r:8000", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvgate serve: config file {path}: {why}")
+    monkeypatch.setenv("KVGATE_CONFIG", str(path))  # the environment's name for it: the same answer
+    positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"], "versions": ["t"],
+                   "history": ["t"], "demo": ["--vllm-python", "py", "--fixture-dir", "fx"],
+                   "keys": ["list"]}  # fmt: skip
+    for command in COMMANDS:
+        with pytest.raises(BadRequest, match=why):
+            settings_from(build_parser().parse_args([command, *positionals.get(command, [])]))
+
+
+def test_a_config_value_of_the_wrong_toml_type_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('auth = "api-keys"\n[replicas]\nurl = "http://r:8000"\n')
+    with pytest.raises(ValidationError, match="replicas"):
+        load_settings({}, config)
+    config.write_text('auth = true\nreplicas = ["http://r:8000"]\n')
+    with pytest.raises(ValidationError, match="auth"):
+        load_settings({}, config)
+    config.write_text('auth = "api-keys"\n')
+    assert load_settings({}, config).auth == "api-keys"

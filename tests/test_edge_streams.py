@@ -45,7 +45,10 @@ async def replica_health(url: str) -> dict[str, bool]:
 
 async def metric(url: str, line_start: str) -> float:
     """The value of the first ``/metrics`` sample whose line starts with ``line_start`` (0 if none)."""
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": ADMIN_TOKEN}) as response,
+    ):
         text = await response.text()
     for line in text.splitlines():
         if line.startswith(line_start):

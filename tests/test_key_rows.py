@@ -22,6 +22,7 @@ from gateway.telemetry.metrics import Metrics
 from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_cli import kvgate
+from tests.test_proxy import ADMIN_TOKEN
 from tests.test_tenants import StartGateway, gateway  # noqa: F401  (the fixture)
 
 BAD_ID = "0badc0ffee00"
@@ -67,7 +68,7 @@ async def test_a_malformed_key_row_is_refused_alone_and_the_sync_goes_on(
         health = await healthz(http, url)
         assert health["api_keys"] == {"keys": 2, "malformed": {BAD_ID: "key 0badc0ffee00: not JSON"},
                                       "wiped_at": None, "restored": 0, "lost": 0}  # fmt: skip
-        async with http.get(f"{url}/metrics") as response:
+        async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": ADMIN_TOKEN}) as response:
             assert 'kvgate_malformed_rows_total{kind="caller"} 1.0' in await response.text()
 
 

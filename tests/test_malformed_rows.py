@@ -142,9 +142,9 @@ async def test_a_malformed_lease_value_counts_as_expired_in_every_lease_script(
     since = mine.now_ms()
     await mine.refresh(replica, {name: since}, set(), since=since + 1)  # was a ResponseError
     assert await redis.hget(keys.leases(replica), f"{name}|gw-a") is None, "its own malformed lease let go"
-    assert await mine.shared_last_use(replica) == {name: since}, "the malformed last use replaced"
+    assert await mine.shared_last_use(replica, [name]) == {name: since}, "the malformed last use replaced"
     await redis.hset(keys.last_use(replica), "other@1", value)
-    assert "other@1" not in await mine.shared_last_use(replica)
+    assert "other@1" not in await mine.shared_last_use(replica, [name, "other@1"])
     claim = await mine.begin_unload(replica, name, force=False, claim_ms=1_000)
     assert claim.claimed, "another gateway's malformed lease is expired, not live"
     await mine.end_unload(replica, name, unloaded=False)

@@ -25,6 +25,8 @@ from tests.conftest import Publish, eventually
 from tests.metrics_traffic import Exposition, record_epoch_change, record_request
 from tests.stub_backend import StubState, build_stub
 
+TOKEN = "admin-token"  # /metrics on the public listener takes the admin token
+
 MAX_SERIES = 5_000
 MAX_BYTES = 1 << 20
 
@@ -160,12 +162,12 @@ async def test_a_running_kvgate_labels_its_real_traffic_by_the_top_k(
     async with running(build_stub(StubState())) as stub_url:
         settings = Settings(
             replicas=[stub_url], store=store.root, reconcile_interval=0.1, metrics_top_k=3,
-            metrics_rerank_interval=3600,
+            metrics_rerank_interval=3600, admin_token=TOKEN,
         )  # fmt: skip
         async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
 
             async def scrape() -> Exposition:
-                async with http.get(f"{url}/metrics") as response:
+                async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response:
                     return Exposition.parse(await response.read())
 
             for logical_id in [*ids, "tenant-0", "no-such-id"]:

@@ -19,6 +19,8 @@ from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub
 
+TOKEN = "admin-token"  # /metrics on the public listener takes the admin token
+
 
 async def test_traceparent_is_propagated_and_spans_cover_load(
     redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
@@ -30,7 +32,13 @@ async def test_traceparent_is_propagated_and_spans_cover_load(
     provider.add_span_processor(SimpleSpanProcessor(spans))
     stub = StubState()
     async with running(build_stub(stub)) as stub_url:
-        settings = Settings(replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1)
+        settings = Settings(
+            replicas=[stub_url],
+            store=store.root,
+            reconcile_interval=0.1,
+            poll_interval=0.1,
+            admin_token=TOKEN,
+        )
         async with running(build_app(settings, redis, tracer_provider=provider)) as url:
             body = {"model": "tenant-42", "prompt": "p" * 600, "max_tokens": 1}
             async with (
@@ -58,14 +66,14 @@ async def test_every_decision_observes_its_predicted_prefix_match(
     store = AdapterStore(tmp_path / "store")
     await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
     async with running(build_stub(StubState())) as stub_url:
-        settings = Settings(replicas=[stub_url], store=store.root)
+        settings = Settings(replicas=[stub_url], store=store.root, admin_token=TOKEN)
         app = build_app(settings, redis)
         async with running(app) as url, aiohttp.ClientSession() as http:
             body = {"model": "tenant-42", "prompt": "p" * 1100, "max_tokens": 1}  # 4 full 256-char blocks
             for _ in range(2):  # a load (nothing known), then a warm hit on all 4 blocks
                 async with http.post(f"{url}/v1/completions", json=body) as response:
                     assert response.status == 200
-            async with http.get(f"{url}/metrics") as response:
+            async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response:
                 text = await response.text()
     assert 'kvgate_prefix_matched_blocks_count{source="none"} 1.0' in text  # the load
     assert 'kvgate_prefix_matched_blocks_count{source="predicted"} 1.0' in text

@@ -63,7 +63,7 @@ async def test_a_foreign_root_is_quarantined_reported_and_repaired_once_unleased
                 return await quarantined() == {(v1, "foreign-root"), ("tenant-42", "unversioned")}
 
             await eventually(reported, "both findings reported")
-            async with http.get(f"{url}/metrics") as response:
+            async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response:
                 metrics = await response.text()
             assert 'kvgate_quarantines_total{reason="foreign-root",replica="' in metrics
             assert f"quarantined {v1} on {stub}: foreign-root" in caplog.text

@@ -25,6 +25,8 @@ from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_epoch_table import logged
 
+TOKEN = "admin-token"  # /metrics on the public listener takes the admin token
+
 BODY = {"prompt": "p", "max_tokens": 1}
 
 
@@ -47,7 +49,13 @@ async def test_flushall_is_an_event_and_every_id_is_reseeded(
     await table.bump("tenant-a")  # epoch 2: the reseed keeps the epoch the snapshot had
     b = await publish_adapter(table, store, "tenant-b", make_adapter(b"b1"), "base")
     async with running(build_stub(StubState())) as stub_url:
-        settings = Settings(replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1)
+        settings = Settings(
+            replicas=[stub_url],
+            store=store.root,
+            reconcile_interval=0.1,
+            poll_interval=0.1,
+            admin_token=TOKEN,
+        )
         async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
             assert await answer(http, url, "tenant-a") == (200, a.name)
             assert await answer(http, url, "tenant-b") == (200, b.name)
@@ -63,7 +71,7 @@ async def test_flushall_is_an_event_and_every_id_is_reseeded(
             for logical_id, name in (("tenant-a", a.name), ("tenant-b", b.name)):
                 assert await answer(http, url, logical_id) == (200, name)
             after = await health(http, url)
-            async with http.get(f"{url}/metrics") as response:
+            async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": TOKEN}) as response:
                 metrics = await response.text()
     assert after["table"]["generation"] != before["table"]["generation"]
     assert after["table"]["reseeded"] == 2
@@ -86,7 +94,13 @@ async def test_a_version_the_store_cannot_prove_is_not_reseeded(
     kept = await publish_adapter(table, store, "tenant-a", make_adapter(b"a1"), "base")
     lost = await publish_adapter(table, store, "tenant-b", make_adapter(b"b1"), "base")
     async with running(build_stub(StubState())) as stub_url:
-        settings = Settings(replicas=[stub_url], store=store.root, reconcile_interval=0.1, poll_interval=0.1)
+        settings = Settings(
+            replicas=[stub_url],
+            store=store.root,
+            reconcile_interval=0.1,
+            poll_interval=0.1,
+            admin_token=TOKEN,
+        )
         async with running(build_app(settings, redis)) as url, aiohttp.ClientSession() as http:
             assert (await answer(http, url, "tenant-b"))[0] == 200
             shutil.rmtree(lost.path)  # its bytes are gone: nothing proves that version any more

@@ -313,3 +313,74 @@ def test_the_route_table_is_one_row_per_route_and_hides_replica_internals() -> N
     }
     assert not paths & internals
     assert [route.path for route in ROUTES if route.mints_response_id] == ["/v1/responses"]
+
+
+def _raw_form(model_part: bytes, *, charset: str | None = None) -> tuple[bytes, dict[str, str]]:
+    """A multipart body by hand: a ``model`` text part holding ``model_part`` as is, and a file."""
+    boundary = "kvgateBoundary"
+    declared = f"Content-Type: text/plain; charset={charset}\r\n" if charset else ""
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n{declared}\r\n'.encode()
+        + model_part
+        + f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        f"Content-Type: audio/wav\r\n\r\n".encode()
+        + b"RIFF...."
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+@pytest.mark.parametrize(
+    ("model_part", "charset"), [(b"tenant-\xff\xfe42", None), (b"tenant-\xe9", "utf-8"), (b"t", "no-such")]
+)
+async def test_a_form_whose_text_is_not_in_its_charset_is_a_400(
+    gateway: Gateway, publish: Any, model_part: bytes, charset: str | None
+) -> None:
+    """A ``model`` field that is not UTF-8 (or names a charset that does not exist) was a 500 with a
+    traceback; it is the client's error, said in an OpenAI-style body, and nothing reaches a replica."""
+    async with stubs(1) as backends:
+        await publish("tenant-42", b"v1")
+        async with gateway([backends[0][0]]) as url:
+            body, headers = _raw_form(model_part, charset=charset)
+            async with aiohttp.ClientSession() as http:
+                for path in AUDIO_ROUTES:
+                    async with http.post(f"{url}{path}", data=body, headers=headers) as response:
+                        status, answer = response.status, await response.read()
+                    assert status == 400, answer
+                    error = error_of(answer)
+                    assert error["type"] == "invalid_request_error"
+                    assert "must be text in its part's charset" in error["message"]
+                good, headers = _raw_form(b"tenant-42")
+                async with http.post(f"{url}{AUDIO_ROUTES[0]}", data=good, headers=headers) as response:
+                    assert response.status == 200, await response.read()
+    assert [path for path, _ in backends[0][1].routed] == [AUDIO_ROUTES[0]]
+
+
+MALFORMED_FORMS = {
+    "cut short": (b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\ntenant-42', "boundary=B"),
+    "no boundary": (b"model=tenant-42", ""),
+    "another boundary": (b"--C\r\n\r\n", "boundary=B"),
+    "a part with no name": (b"--B\r\n\r\nx\r\n--B--\r\n", "boundary=B"),
+    "a name not UTF-8": (
+        b'--B\r\nContent-Disposition: form-data; name="\xff"\r\n\r\nx\r\n--B--\r\n',
+        "boundary=B",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_FORMS)
+async def test_a_malformed_form_is_a_400(gateway: Gateway, case: str) -> None:
+    """Each was a 500 (aiohttp's ValueError, or a name with surrogates failing on the way upstream)."""
+    body, parameter = MALFORMED_FORMS[case]
+    content_type = "multipart/form-data" + (f"; {parameter}" if parameter else "")
+    headers = {"Content-Type": content_type}
+    async with (
+        stubs(1) as backends,
+        gateway([backends[0][0]]) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}{AUDIO_ROUTES[0]}", data=body, headers=headers) as response,
+    ):
+        status, answer = response.status, await response.read()
+    assert status == 400, answer
+    assert error_of(answer)["type"] == "invalid_request_error"
+    assert backends[0][1].routed == []

@@ -46,6 +46,7 @@ from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 FAST = {"poll_interval": 0.1, "reconcile_interval": 0.1, "lease_ttl": 0.4, "canary_interval": 0.1}
+TOKEN = "supervisor-admin-token"  # /metrics on the public listener takes the admin token
 
 
 class Flaky:
@@ -96,7 +97,7 @@ LOOPS = [
 async def kvgate(redis: Redis, **overrides: Any) -> AsyncIterator[tuple[str, web.Application, StubState]]:
     state = StubState()
     async with running(build_stub(state)) as stub_url:
-        app = build_app(Settings(replicas=[stub_url], **(FAST | overrides)), redis)
+        app = build_app(Settings(replicas=[stub_url], admin_token=TOKEN, **(FAST | overrides)), redis)
         async with running(app) as url:
             yield url, app, state
 
@@ -108,7 +109,8 @@ async def health(url: str) -> tuple[int, dict[str, Any]]:
 
 
 async def restarts_metric(url: str, task: str) -> float:
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+    headers = {"x-kvgate-admin-token": TOKEN}
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics", headers=headers) as response:
         text = await response.text()
     found = re.search(rf'^kvgate_background_restarts_total{{task="{task}"}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else -1.0

@@ -45,7 +45,7 @@ def gateway(redis: Redis, tmp_path: Path) -> StartGateway:
         settings = Settings(
             replicas=replicas,
             store=tmp_path / "store",
-            admin_token=ADMIN_TOKEN,
+            admin_token=overrides.pop("admin_token", ADMIN_TOKEN),
             reconcile_interval=0.1,
             poll_interval=0.1,
             **{"auth": "api-keys", **overrides},
@@ -336,3 +336,39 @@ async def test_the_admin_surface_can_have_its_own_listener(
     assert audit_like[0] == 200
     assert public_ok[0] == 200
     assert health == [200, 200]
+
+
+@pytest.mark.parametrize("auth", ["off", "api-keys"])
+async def test_public_metrics_name_no_tenant_without_the_admin_token(
+    gateway: StartGateway, publish: Any, redis: Redis, auth: str
+) -> None:
+    """Without admin_port, /metrics (its series are labelled by logical ID: the tenants) was served to
+    anyone on the public listener. It takes the admin token there, as the header or as a bearer token (what
+    a Prometheus scrape config's ``authorization`` sends); an API key is not one. On the admin listener
+    it stays open (the ServiceMonitor scrapes it without a token)."""
+    await publish("tenant-a")
+    key, _ = await CallerTable(redis).create("acme", ["tenant-a"], base=False)
+    async with stubs(1) as backends:
+        async with gateway([backends[0][0]], auth=auth) as started:
+            served = await call(started.url, "/v1/completions", body=COMPLETION, headers=bearer(key))
+            anonymous = await call(started.url, "/metrics", method="GET")
+            keyed = await call(started.url, "/metrics", method="GET", headers=bearer(key))
+            wrong = await call(started.url, "/metrics", method="GET", headers={"x-kvgate-admin-token": "no"})
+            header = await call(
+                started.url, "/metrics", method="GET", headers={"x-kvgate-admin-token": ADMIN_TOKEN}
+            )
+            scraped = await call(started.url, "/metrics", method="GET", headers=bearer(ADMIN_TOKEN))
+        async with gateway([backends[0][0]], auth=auth, admin_token=None) as started:
+            tokenless = await call(started.url, "/metrics", method="GET", headers=bearer(ADMIN_TOKEN))
+        async with gateway([backends[0][0]], auth=auth, admin_port=0) as started:
+            assert started.admin_url is not None
+            private = await call(started.admin_url, "/metrics", method="GET")
+    assert served[0] == 200
+    for refused in (anonymous, keyed, wrong, tokenless):
+        assert refused[0] == 401
+        assert openai_error(refused[1])["type"] == "authentication_error"
+        assert b"tenant-a" not in refused[1]
+    for allowed in (header, scraped, private):
+        assert allowed[0] == 200
+    assert b'logical_id="tenant-a"' in header[1]
+    assert b'logical_id="tenant-a"' in scraped[1]

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.core.errors import InvalidAdapter
-from gateway.core.identity import ManifestEntry, check_digest, scan_adapter, tree_digest
+from gateway.core.identity import (
+    ADAPTER_CONFIG,
+    ManifestEntry,
+    check_adapter_config,
+    check_digest,
+    scan_adapter,
+    tree_digest,
+)
 
 INCOMING_PREFIX = ".incoming-"
 DEFAULT_MAX_BYTES = 2 << 30
@@ -73,6 +80,7 @@ class AdapterStore:
         staging = Path(tempfile.mkdtemp(prefix=INCOMING_PREFIX, dir=self.root))
         try:
             _copy_manifest(source, staging, manifest, progress)
+            check_adapter_config((staging / ADAPTER_CONFIG).read_bytes())  # the copy is what was checked
             digest = tree_digest(staging, manifest)
             final = self.path_for(digest)
             if _touched(final):  # published again: young for `kvgate gc` (gateway/adapters/gc.py)

@@ -1,4 +1,5 @@
-"""Who an adapter is: validated artifact manifests, blake3 tree digests and versioned names.
+"""Who an adapter is: validated artifact manifests (adapter_config.json checked as vLLM reads it), blake3
+tree digests and versioned names.
 
 A version's identity is the bytes of its artifact, nothing else: the tree digest covers every file's
 relative path, size and contents (sorted, so the order of a directory listing does not matter). The
@@ -9,11 +10,13 @@ recorded with each version and checked against every replica before it is eligib
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from blake3 import blake3
 
@@ -78,7 +81,8 @@ def scan_adapter(root: Path) -> list[ManifestEntry]:
 
     Refuses symlinks (the root included), anything that is not a regular file or directory, names
     outside a safe alphabet (no traversal), unreadable files, and directories without an
-    ``adapter_config.json`` object and at least one ``*.safetensors`` weight file.
+    ``adapter_config.json`` a replica can load (``check_adapter_config``) and at least one ``*.safetensors``
+    weight file.
     """
     try:
         root_stat = os.lstat(root)
@@ -96,11 +100,10 @@ def scan_adapter(root: Path) -> list[ManifestEntry]:
     if not any(e.relpath.endswith(WEIGHT_SUFFIX) for e in entries):
         raise InvalidAdapter(f"{str(root)!r} has no *{WEIGHT_SUFFIX} weights")
     try:
-        config = json.loads((root / ADAPTER_CONFIG).read_bytes())
-    except (OSError, ValueError) as exc:
-        raise InvalidAdapter(f"{ADAPTER_CONFIG} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise InvalidAdapter(f"{ADAPTER_CONFIG} is not a JSON object")
+        raw = (root / ADAPTER_CONFIG).read_bytes()
+    except OSError as exc:
+        raise InvalidAdapter(f"cannot read {ADAPTER_CONFIG}: {exc.strerror}") from exc
+    check_adapter_config(raw)  # as the replica will read it: UTF-8 JSON, the fields vLLM needs, typed
     return entries
 
 
@@ -150,3 +153,82 @@ def tree_digest(root: Path, manifest: list[ManifestEntry]) -> str:
         tree.update(len(name).to_bytes(4, "big") + name + entry.size.to_bytes(8, "big"))
         tree.update(content.digest())
     return tree.hexdigest()
+
+
+# --- adapter_config.json, as the replica will read it ---------------------------------------------
+# vLLM 0.32 reads it with ``json.load(open(path))`` (UTF-8 text) into ``PEFTHelper.from_dict``
+# (``vllm/lora/peft_helper.py``): ``r``, ``lora_alpha`` and ``target_modules`` are required, ``r`` (and
+# every ``rank_pattern`` rank) a positive integer, and ``validate_legal`` refuses a ``bias`` other than
+# ``"none"``, DoRA and LoRA bias. A config that breaks one of these publishes fine and then fails every
+# load on every replica, so publish refuses it with the reason (``InvalidAdapter``). What depends on the
+# replica's own settings (``max_lora_rank``, the base's module names) cannot be checked here.
+
+_REQUIRED = ("r", "lora_alpha", "target_modules")
+
+
+def check_adapter_config(raw: bytes) -> dict[str, Any]:
+    """The parsed config when a replica could load an adapter with it; else ``InvalidAdapter``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _refused(f"is not UTF-8 text (byte {exc.start}; UTF-16 or another encoding?)") from exc
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _refused(f"is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise _refused("is not a JSON object")
+    missing = [field for field in _REQUIRED if field not in config]
+    if missing:
+        raise _refused(f"lacks {', '.join(missing)} (vLLM needs {', '.join(_REQUIRED)} to load a LoRA)")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refused(f"peft_type must be LORA, not {_shown(config['peft_type'])}")
+    if not _positive_int(config["r"]):
+        raise _refused(f"r must be a positive integer, not {_shown(config['r'])}")
+    if not _number(config["lora_alpha"]):
+        raise _refused(f"lora_alpha must be a finite number, not {_shown(config['lora_alpha'])}")
+    modules = config["target_modules"]
+    names = [modules] if isinstance(modules, str) else modules
+    if not isinstance(names, list) or not names or not all(isinstance(m, str) and m for m in names):
+        raise _refused(f"target_modules must be a module name or a list of them, not {_shown(modules)}")
+    _check_patterns(config)
+    _check_supported(config)
+    return config
+
+
+def _check_patterns(config: dict[str, Any]) -> None:
+    for field, valid, what in (
+        ("rank_pattern", _positive_int, "positive integers"),
+        ("alpha_pattern", _number, "finite numbers"),
+    ):
+        pattern = config.get(field)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict) or not all(valid(value) for value in pattern.values()):
+            raise _refused(f"{field} must map module names to {what}, not {_shown(pattern)}")
+
+
+def _check_supported(config: dict[str, Any]) -> None:
+    """What ``PEFTHelper.validate_legal`` refuses whatever the replica's settings."""
+    if config.get("bias", "none") != "none":
+        raise _refused(f'bias must be "none" (vLLM supports no adapter bias), not {_shown(config["bias"])}')
+    for flag, feature in (("use_dora", "DoRA"), ("lora_bias", "LoRA bias")):
+        if config.get(flag) not in (None, False):
+            raise _refused(f"{flag} is set: vLLM does not support {feature}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shown(value: object) -> str:
+    shown = json.dumps(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _refused(why: str) -> InvalidAdapter:
+    return InvalidAdapter(f"{ADAPTER_CONFIG} {why}")

@@ -4,9 +4,10 @@ Room is made by unloading idle adapters in the scheduler's ``evictions`` order (
 then the fleet's least recently used). What a request has reserved (``fleet.reservation``: counted here,
 or leased by another kvgate, whose lease refuses the unload claim) is never evicted: while every adapter
 is in use, the load waits for one to come free, at most ``slot_wait`` seconds, then
-``AdapterBudgetFull``. Every load that found the budget full observes its wait
-(``kvgate_adapter_slot_wait_seconds``). While Redis cannot say who leases what, nothing this kvgate does
-not use itself can be proven idle, and the load goes over budget instead.
+``AdapterBudgetFull``. Loads on one replica take turns at making room, first come first served. Every
+load that found the budget full observes its wait (``kvgate_adapter_slot_wait_seconds``). While Redis
+cannot say who leases what, nothing this kvgate does not use itself can be proven idle, and the load goes
+over budget instead.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class AdapterBudget:
         self.managed = managed
         self.evict = evict
         self.pending: Counter[str] = Counter()  # replica URL -> loads past their room check, not listed yet
+        self._turns: dict[str, asyncio.Lock] = {}  # replica URL -> whose turn it is to make room there
 
     def has_room(self, replica: Replica) -> bool:
         """Whether a load on ``replica`` could start now, as far as this kvgate knows: the budget has
@@ -69,20 +71,44 @@ class AdapterBudget:
     @contextlib.asynccontextmanager
     async def slot(self, replica: Replica) -> AsyncIterator[None]:
         """Room for one more adapter on ``replica`` (``make_room``), held until the block ends (the load
-        done and the replica listing it): concurrent loads here never count the same room twice."""
-        await self.make_room(replica)
-        self.pending[replica.url] += 1
+        done and the replica listing it): concurrent loads here never count the same room twice.
+
+        Loads take turns per replica, in the order they came (``asyncio.Lock`` wakes its waiters first
+        come, first served): the one whose turn it is makes room, counts it as its own and lets the next
+        one look. Without turns, every waiting load polled on its own, several evicted at once, and the
+        room one made went to whichever looked first: a load could lose every race until
+        ``slot_wait_timeout`` while slots came free every few milliseconds (``loadtest.churn``)."""
+        started = time.monotonic()
+        turn = self._turns.setdefault(replica.url, asyncio.Lock())
+        try:
+            async with asyncio.timeout(self.slot_wait):
+                await turn.acquire()
+        except TimeoutError:
+            raise self._full(replica, started) from None
+        try:
+            await self.make_room(replica, started)
+            self.pending[replica.url] += 1
+        finally:
+            turn.release()
         try:
             yield
         finally:
             self.pending[replica.url] -= 1
 
-    async def make_room(self, replica: Replica) -> None:
+    def _full(self, replica: Replica, started: float) -> AdapterBudgetFull:
+        self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
+        return AdapterBudgetFull(
+            f"the adapter budget of replica {replica.url} is full: all {self.budget} adapters "
+            f"(max_adapters_per_replica) stayed in use for {self.slot_wait:g} s (slot_wait_timeout); "
+            "retry later"
+        )
+
+    async def make_room(self, replica: Replica, started: float) -> None:
         """Unload idle adapters, least recently used across the fleet first, until one more fits. What
         is reserved (here, or leased by another kvgate) is never taken: while nothing can go, wait for a
-        slot, at most ``slot_wait`` seconds, then ``AdapterBudgetFull``. While Redis cannot say who
-        leases what, nothing this kvgate does not use itself can be proven idle: the load goes over budget."""
-        started = time.monotonic()
+        slot, until ``slot_wait`` seconds after ``started``, then ``AdapterBudgetFull``. While Redis cannot
+        say who leases what, nothing this kvgate does not use itself can be proven idle: the load goes
+        over budget. Run in the load's turn (``slot``)."""
         full = waited = False
         while True:
             managed = self.managed(replica)
@@ -90,7 +116,7 @@ class AdapterBudget:
                 break
             full = True
             try:
-                last_used = await self.leases.last_use(replica.url)
+                last_used = await self.leases.last_use(replica.url, managed)
                 blind = False
             except REDIS_DOWN:
                 last_used, blind = dict(replica.last_used), True
@@ -107,12 +133,7 @@ class AdapterBudget:
                             replica.url)  # fmt: skip
                 break
             if time.monotonic() - started >= self.slot_wait:
-                self.metrics.slot_wait.labels(replica.url).observe(time.monotonic() - started)
-                raise AdapterBudgetFull(
-                    f"the adapter budget of replica {replica.url} is full: all {self.budget} adapters "
-                    f"(max_adapters_per_replica) stayed in use for {self.slot_wait:g} s "
-                    "(slot_wait_timeout); retry later"
-                )
+                raise self._full(replica, started)
             waited = True
             await asyncio.sleep(SLOT_POLL)
             await self.pool.refresh(replica)

@@ -35,6 +35,7 @@ class Leases:
         self.started_ms = wall_ms()
         self._in_flight: Counter[Pair] = Counter()
         self._held: dict[Pair, int] = {}  # pair -> last use (wall-clock ms)
+        self._reporting: dict[Pair, int] = {}  # what the running heartbeat shares (``forget`` edits it)
         self._replicas: set[str] = set()  # every replica this kvgate ever leased on (to let go there)
 
     @property
@@ -69,10 +70,11 @@ class Leases:
         """Alive for another time to live; refresh what is in flight, let go of the rest."""
         since = self.table.now_ms()  # a lease acquired after this, for a new request, is not dropped
         await self.table.heartbeat(self.started_ms, self.report())
-        used, self._held = (
+        self._reporting, self._held = (
             self._held,
             {pair: at for pair, at in self._held.items() if pair in self._in_flight},
         )
+        used = self._reporting  # ``forget`` takes an unloaded name out until its replica's turn
         for replica in sorted(self._replicas):
             names = {name: at for (url, name), at in used.items() if url == replica}
             keep = {name for (url, name) in self._held if url == replica}
@@ -108,10 +110,20 @@ class Leases:
     async def end_unload(self, replica: str, name: str, *, unloaded: bool) -> None:
         await self.table.end_unload(replica, name, unloaded=unloaded)
 
-    async def last_use(self, replica: str) -> dict[str, float]:
-        """Name -> newest use on ``replica`` (wall-clock seconds) across the fleet, this kvgate included."""
-        shared = await self.table.shared_last_use(replica)
-        for (url, name), used in self._held.items():
-            if url == replica:
+    async def last_use(self, replica: str, names: list[str]) -> dict[str, float]:
+        """Name -> newest use on ``replica`` (wall-clock seconds) across the fleet, this kvgate included,
+        for ``names`` (one Redis read of those fields, however many names the fleet ever used there)."""
+        shared = await self.table.shared_last_use(replica, names)
+        for name in names:
+            used = self._held.get((replica, name))
+            if used is not None:
                 shared[name] = max(shared.get(name, 0), used)
         return {name: used / 1000 for name, used in shared.items()}
+
+    def forget(self, replica: str, name: str) -> None:
+        """``name`` was unloaded from ``replica`` (``end_unload`` dropped its leases and shared last use):
+        the next heartbeat does not share its last use again, unless a request uses it meanwhile."""
+        pair = (replica, name)
+        if pair not in self._in_flight:
+            self._held.pop(pair, None)
+            self._reporting.pop(pair, None)

@@ -85,7 +85,9 @@ class AdapterLoader:
         await self._load_once(replica, version, reason)
 
     async def _load_once(self, target: Replica, version: VersionState, reason: str) -> None:
-        """Single-flight within this process: concurrent requests share one load task."""
+        """Single-flight within this process: concurrent requests share one load task. It runs on when
+        every request waiting on it has left (shielded: the next request finds the load done); its
+        outcome is then nobody's, so its failure is logged here, never left unretrieved."""
         key = (target.url, version.name)
         task = self._loading.get(key)
         if task is None:
@@ -138,8 +140,9 @@ class AdapterLoader:
             await self._announce(replica)
             if not replica.serves(version.name, version.path):
                 listed = replica.listing.adapters.get(version.name)
+                log.warning("%s lists %s from %r, not %r", replica.url, version.name, listed, version.path)
                 raise NoEligibleReplica(
-                    f"{replica.url} lists {version.name} from {listed!r}, not from {version.path!r}"
+                    f"{replica.url} does not list {version.name} from kvgate's store after loading it"
                 )
         finally:
             if locked:
@@ -163,7 +166,9 @@ class AdapterLoader:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectionError):
                     replica.healthy = False  # until its next good poll
-                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {exc!r}") from exc
+                log.warning("loading %s on %s failed: %r", version.name, replica.url, exc)
+                why = "timed out" if isinstance(exc, TimeoutError) else "the replica could not be reached"
+                raise NoEligibleReplica(f"loading {version.name} on {replica.url} failed: {why}") from exc
             finally:
                 span.set_attribute(attr.OUTCOME, outcome)
                 self.metrics.loads.labels(replica.url, outcome, reason).inc()
@@ -217,6 +222,7 @@ class AdapterLoader:
                     return False
         finally:
             await self._release_claim(replica, name, unloaded=unloaded)
+        self.leases.forget(replica.url, name)  # its last use is not shared again: it is gone there
         self.metrics.unloads.labels(replica.url, reason).inc()
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
         replica.listing.adapters.pop(name, None)

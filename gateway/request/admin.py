@@ -59,15 +59,20 @@ class Admin:
         self.quarantine = quarantine
         self.extra_fields = extra_fields  # more of the status document (the status page's usage and audits)
 
-    def check(self, request: web.Request) -> None:
+    def check(self, request: web.Request, *, bearer: bool = False) -> None:
         """A constant-time token check of UTF-8 bytes; always refused when kvgate has no admin token.
+        ``bearer``: ``Authorization: Bearer <admin token>`` will do too (what Prometheus can send).
 
         aiohttp hands over header bytes that are not UTF-8 as surrogate escapes: such a header is refused
         (it never matches, whatever the configured token holds), and it is never an error of kvgate's.
         """
         if not request.app.get(ADMIN_SURFACE, True):
             raise Unauthorized("the admin surface is served on kvgate's admin listener only")
-        given, expected = _utf8(request.headers.get(ADMIN_TOKEN_HEADER, "")), self.token
+        header = request.headers.get(ADMIN_TOKEN_HEADER, "")
+        if not header and bearer:
+            scheme, _, header = request.headers.get("Authorization", "").partition(" ")
+            header = header.strip() if scheme.lower() == "bearer" else ""
+        given, expected = _utf8(header), self.token
         if (
             expected is None
             or given is None
@@ -76,6 +81,13 @@ class Admin:
             raise Unauthorized(
                 f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
             )
+
+    def check_scrape(self, request: web.Request, *, public: bool) -> None:
+        """``/metrics``: its series are labelled by logical ID (the tenants), so on the public listener
+        (no ``admin_port``) it takes the admin token, also as ``Authorization: Bearer`` (what a Prometheus
+        scrape config's ``authorization`` sends); on the admin listener of its own it is open."""
+        if public:
+            self.check(request, bearer=True)
 
     def options(self, request: web.Request) -> AdminOptions:
         """The pin and cold-namespace headers; either one needs the admin token."""

@@ -129,15 +129,32 @@ class Intake:
     ) -> ParsedRequest:
         if request.content_type not in ("multipart/form-data", "application/x-www-form-urlencoded"):
             raise BadRequest(f"{route.path} takes a multipart/form-data body")
+        text_rule = (
+            f"{route.path}: every field name and text field of the form (model among them) must be text "
+            "in its part's charset (UTF-8 unless the part names another that exists)"
+        )
+        try:
+            posted = await request.post()
+        except (UnicodeDecodeError, LookupError) as exc:  # a text field not in its part's charset
+            raise BadRequest(text_rule) from exc
+        except ValueError as exc:  # aiohttp's words for a malformed form: no boundary, no name, cut short
+            malformed = f"{route.path}: the body is not a well-formed {request.content_type} form"
+            raise BadRequest(malformed) from exc
         fields: list[FormField] = []
-        for name, value in (await request.post()).items():
+        for name, value in posted.items():
+            try:
+                name.encode()  # a name that is not UTF-8 arrives with surrogates, and could not go upstream
+            except UnicodeEncodeError as exc:
+                raise BadRequest(text_rule) from exc
             if isinstance(value, web.FileField):
                 data = await asyncio.to_thread(value.file.read)
                 fields.append(FormField(name, data, value.filename, value.content_type))
             else:
                 fields.append(FormField(name, value if isinstance(value, str) else bytes(value)))
         model = next((f.value for f in fields if f.name == "model"), "")
-        if not isinstance(model, str) or (not model and not route.model_optional):
+        if not isinstance(model, str):  # a part with a binary content type
+            raise BadRequest("the model field must be a text part (UTF-8), not binary data", param="model")
+        if not model and not route.model_optional:
             raise BadRequest("you must provide a model parameter", param="model")
         stream = stream_flag(next((f.value for f in fields if f.name == "stream"), None))
         return ParsedRequest(route, caller, model, stream, admin, form=tuple(fields))

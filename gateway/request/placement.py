@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from gateway.core.errors import AdapterBudgetFull, KvgateError, NoEligibleReplica, VersionUnloading
+from gateway.core.errors import AdapterBudgetFull, NoEligibleReplica, VersionUnloading
 from gateway.core.model import Target
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.fleet.budget import SLOT_POLL
@@ -35,21 +35,12 @@ class Placement:
         self.leases = leases
 
     async def place(self, target: Target, pin: Replica | None) -> tuple[Decision[Replica], Reservation]:
-        """``_place``; an error it ends with names the logical ID, never the versioned name (the loader's
-        and the replicas' words say which version; the client never sent that name)."""
-        try:
-            return await self._place(target, pin)
-        except KvgateError as exc:
-            if target.version is not None:
-                exc.message = exc.message.replace(target.version.name, target.logical_id)
-            raise
-
-    async def _place(self, target: Target, pin: Replica | None) -> tuple[Decision[Replica], Reservation]:
         """The scheduler's decision, carried out, with the request's reservation on it taken at once (a
         "load on R" loads while the reservation already holds the version there). A replica that turns
         out to be down during the load is marked unhealthy and the scheduler decides again (unless
         pinned); a version being unloaded where it was picked is looked at again until it is gone (and
-        then loaded again), for at most ``slot_wait_timeout``."""
+        then loaded again), for at most ``slot_wait_timeout``. (The loader's and the replicas' words name
+        versions and replica URLs: the proxy says them to the client as ``relay.public_message``.)"""
         pin_url = pin.url if pin is not None else None
         name = target.version.name if target.version is not None else None
         down, deadline = 0, time.monotonic() + self.loader.budget.slot_wait

@@ -123,6 +123,7 @@ class Proxy:
                 return response
             except KvgateError as exc:
                 outcome = exc.type
+                exc.message = relay.public_message(exc.message, self.replica_names)  # no URL, no version
                 span.set_status(StatusCode.ERROR, exc.message)
                 raise
             except asyncio.CancelledError:  # the client left (aiohttp cancels its handler), or shutdown
@@ -256,11 +257,15 @@ class Proxy:
                         "version loaded (it restarted, or it was unloaded there); retry"
                     )
                 if route.kind == "model-card":
-                    response = await relay.relay_card(upstream, name or parsed.model, target, evidence)
+                    response = await relay.relay_card(
+                        upstream, name or parsed.model, target, evidence, self.replica_names[replica.url]
+                    )
                 elif parsed.stream and upstream.content_type == "text/event-stream":
                     response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
                 else:
-                    response = await relay.relay_body(upstream, rewrite, usage, evidence)
+                    response = await relay.relay_body(
+                        upstream, rewrite, usage, evidence, self.replica_names[replica.url]
+                    )
         if response.status == 200:
             self.scheduler.served(target, replica)
         return response

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -23,12 +24,22 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Span
 
-from gateway.core.errors import BackendTimeout, BackendUnreachable, ClientClosed, KvgateError, ModelNotFound
+from gateway.core.errors import (
+    BackendTimeout,
+    BackendUnreachable,
+    BadRequest,
+    ClientClosed,
+    KvgateError,
+    ModelNotFound,
+    UpstreamError,
+)
 from gateway.core.model import Target
 from gateway.core.wire import DIGEST_HEADER, EPOCH_HEADER, PREFIX_KEY_HEADER, REPLICA_HEADER, VERSION_HEADER
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import Metrics
 
+log = logging.getLogger(__name__)
+JSON = "application/json"
 _CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
@@ -89,15 +100,29 @@ def model_rewrite(versioned: str, logical: str) -> ModelRewrite:
     return ModelRewrite(versioned, logical)
 
 
+_VERSIONED_NAME = r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}"  # group 1: the logical ID
+_ANY_NAME_TEXT = re.compile(_VERSIONED_NAME)
+
+
+def public_message(message: str, replica_names: dict[str, str]) -> str:
+    """An error message as a client may read it: every replica URL named as responses name it
+    (``replica_names``: URL -> its id, or itself with ``expose_replica_urls``) and every versioned name
+    as its logical ID (the client never sent one)."""
+    for url in sorted(replica_names, key=len, reverse=True):  # a URL that prefixes another goes last
+        if url in message:
+            message = message.replace(url, replica_names[url])
+    return _ANY_NAME_TEXT.sub(r"\1", message) if "@" in message else message
+
+
 class AnyVersionRewrite:
     """Rewrites any versioned name in ``model`` back to its logical ID (``tenant-42@<16 hex>`` →
     ``tenant-42``): for answers whose effective model kvgate does not know in advance (a stored
     response fetched by its id)."""
 
     __slots__ = ()
-    _VERSIONED = re.compile(rb'("model":\s?")([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}"')
+    _VERSIONED = re.compile(rb'("model":\s?")' + _VERSIONED_NAME.encode() + rb'"')
 
-    _ANY_NAME = re.compile(rb"([A-Za-z0-9][A-Za-z0-9._-]{0,127})@[0-9a-f]{16}")
+    _ANY_NAME = re.compile(_VERSIONED_NAME.encode())
 
     def apply(self, data: bytes) -> bytes:
         return self._VERSIONED.sub(rb'\1\2"', data) if b"@" in data else data
@@ -140,22 +165,53 @@ def evidence(target: Target, replica_url: str) -> dict[str, str]:
     return headers
 
 
+def openai_error(payload: bytes, status: int, replica: str) -> bytes | None:
+    """A replica's error answer (``status`` >= 400) as kvgate relays it: None when its body is an
+    OpenAI-style error (``{"error": {"message": ..., ...}}``: relayed, its versioned names scrubbed), else
+    kvgate's own OpenAI-style body with the same status, saying no more than that (a proxy's plain-text
+    413, an HTML 502, a framework's ``{"detail": ...}``: none of the replica's words reach the client)."""
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return None
+    said = f"replica {replica} answered {status} without an OpenAI-style error body"
+    own = BadRequest(said, code="upstream_error") if status < 500 else UpstreamError(said)
+    own.status = status  # the replica's status, whatever its class: a 413 stays a 413
+    log.warning("%s: %r", said, payload[:200])
+    return own.json_bytes()
+
+
 async def relay_body(
-    upstream: aiohttp.ClientResponse, rewrite: Rewrite | None, usage: Usage, headers: dict[str, str]
+    upstream: aiohttp.ClientResponse,
+    rewrite: Rewrite | None,
+    usage: Usage,
+    headers: dict[str, str],
+    replica: str,
 ) -> web.Response:
+    """The replica's whole answer; ``replica``: its name in error messages."""
     payload = await upstream.read()
-    if upstream.status >= 400 and rewrite is not None:
-        payload = rewrite.scrub(payload)
+    if upstream.status >= 400:
+        own = openai_error(payload, upstream.status, replica)
+        if own is not None:
+            return web.Response(body=own, status=upstream.status, headers=headers, content_type=JSON)
+        if rewrite is not None:
+            payload = rewrite.scrub(payload)
     response = web.Response(body=transform(payload, rewrite, usage), status=upstream.status, headers=headers)
     response.content_type = upstream.content_type
     return response
 
 
 async def relay_card(
-    upstream: aiohttp.ClientResponse, served: str, target: Target, headers: dict[str, str]
+    upstream: aiohttp.ClientResponse, served: str, target: Target, headers: dict[str, str], replica: str
 ) -> web.Response:
-    """``/v1/models/{model}`` from the replica's listing (an error from it passes as it came)."""
+    """``/v1/models/{model}`` from the replica's listing (an error from it passes as ``relay_body``'s)."""
     payload = await upstream.read()
+    if upstream.status >= 400:
+        own = openai_error(payload, upstream.status, replica)
+        body = own if own is not None else ANY_VERSION.scrub(payload)
+        return web.Response(body=body, status=upstream.status, headers=headers, content_type=JSON)
     if upstream.status != 200:
         return web.Response(body=payload, status=upstream.status, headers=headers)
     card = model_card(payload, served, target.logical_id)
@@ -189,8 +245,10 @@ async def relay_stream(
         if pending:
             await to_client.write(transform(pending, rewrite, usage))
     except (aiohttp.ClientError, TimeoutError) as exc:  # the replica's side (writes raise ClientClosed)
-        # Bytes already went out: the status is sent, so the error travels as a final SSE event.
-        error = BackendUnreachable(f"upstream stream broke: {exc!r}")
+        # Bytes already went out: the status is sent, so the error travels as a final SSE event (in
+        # kvgate's words: aiohttp's name the replica's address and its own internals; they go to the log).
+        log.warning("the stream from %s broke off: %r", upstream.url.origin(), exc)
+        error = BackendUnreachable("the replica's stream broke off before its end")
         await to_client.write(b"data: " + error.json_bytes() + b"\n\n")
     await to_client.write_eof()
     return response
@@ -235,12 +293,14 @@ def transform(data: bytes, rewrite: Rewrite | None, usage: Usage) -> bytes:
 
 @contextlib.contextmanager
 def upstream_errors(replica_url: str) -> Iterator[None]:
-    """The one place upstream client errors become kvgate errors."""
+    """The one place upstream client errors become kvgate errors (``replica_url``: the replica's name in
+    responses, its id unless ``expose_replica_urls``)."""
     try:
         yield
     except KvgateError:
         raise
     except TimeoutError as exc:
         raise BackendTimeout(f"replica {replica_url} timed out") from exc
-    except aiohttp.ClientError as exc:
-        raise BackendUnreachable(f"replica {replica_url} is unreachable: {exc!r}") from exc
+    except aiohttp.ClientError as exc:  # aiohttp's words (an address, its internals) go to the log only
+        log.warning("replica %s is unreachable: %r", replica_url, exc)
+        raise BackendUnreachable(f"replica {replica_url} is unreachable") from exc

@@ -81,11 +81,18 @@ class LeaseTable:
             "end_unload", [keys.leases(replica), keys.last_use(replica)], [name, int(unloaded)]
         )
 
-    async def shared_last_use(self, replica: str) -> dict[str, int]:
-        """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``."""
-        raw = await self.table.redis.hgetall(keys.last_use(replica))
+    async def shared_last_use(self, replica: str, names: list[str]) -> dict[str, int]:
+        """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``, for
+        ``names`` only (the adapters it has: at most the budget). The hash can hold more (a name whose
+        last use was shared after its unload), so it is never read whole on the load path. A value that
+        is not a time (a direct write) is left out."""
+        if not names:
+            return {}
+        raw = await self.table.redis.hmget(keys.last_use(replica), names)
         return {
-            _text(name, "replace"): used for name, value in raw.items() if (used := _ms(value)) is not None
+            name: used
+            for name, value in zip(names, raw, strict=True)
+            if value is not None and (used := _ms(value)) is not None
         }
 
 

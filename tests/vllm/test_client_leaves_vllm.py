@@ -67,7 +67,8 @@ async def after_it_stopped(
 
 
 async def retries(http: aiohttp.ClientSession, gateway: Gateway) -> float:
-    async with http.get(f"{gateway.url}/metrics") as response:
+    headers = {"x-kvgate-admin-token": ADMIN_TOKEN}
+    async with http.get(f"{gateway.url}/metrics", headers=headers) as response:
         text = await response.text()
     prefix = 'kvgate_routing_decisions_total{decision="retry"}'
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))

@@ -13,7 +13,7 @@ from gateway.core.wire import replica_id
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.vllm.conftest import Gateway, GatewayFactory, kvgate_json
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -57,7 +57,7 @@ async def test_spans_and_metrics_after_real_traffic(
     assert [dict(s.attributes or {})["kvgate.version.name"] for s in loads] == [published["name"]]
     assert spans[2].status.status_code.name == "ERROR"
 
-    async with http.get(f"{gateway.url}/metrics") as response:
+    async with http.get(f"{gateway.url}/metrics", headers={"x-kvgate-admin-token": ADMIN_TOKEN}) as response:
         assert response.status == 200
         text = await response.text()
     assert 'kvgate_requests_total{logical_id="tenant-9",outcome="200"} 2.0' in text
