@@ -35,7 +35,7 @@ from gateway.serving import free_port, running
 from gateway.settings_table import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import MakeAdapter, eventually, until_healthy
+from tests.conftest import MakeAdapter, eventually, swap_back, swap_bytes, until_healthy
 from tests.stub_backend import StubState, build_stub
 from tests.stub_sglang import SglangStubState, adapter_text, run_sglang_stub
 
@@ -288,22 +288,6 @@ async def test_the_base_fingerprint_probe_keeps_an_sglang_replica_of_another_bas
             assert len({p["extra_key"] for p in probes}) == len(probes), "a fresh namespace per probe run"
             seen = {r["url"]: r for r in (await kvgate.status())["replicas"]}
             assert seen[urls[0]]["base_mismatch"] == {}
-
-
-def swap_bytes(path: Path, source: Path) -> dict[str, bytes]:
-    """Write ``source``'s files over the store directory ``path`` (as a divergent volume would show)."""
-    saved = {f.name: f.read_bytes() for f in path.iterdir()}
-    for name in saved:
-        (path / name).chmod(0o644)
-        if (source / name).is_file():
-            (path / name).write_bytes((source / name).read_bytes())
-    return saved
-
-
-def swap_back(path: Path, saved: dict[str, bytes]) -> None:
-    for name, data in saved.items():
-        (path / name).write_bytes(data)
-        (path / name).chmod(0o444)
 
 
 async def test_the_canary_catches_an_sglang_replica_serving_other_bytes_under_a_versioned_name(

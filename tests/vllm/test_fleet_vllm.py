@@ -30,7 +30,7 @@ from gateway.serving import free_port
 from gateway.settings_table import flag
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.vllm_process import VllmProcess
-from tests.conftest import eventually
+from tests.conftest import eventually, swap_back, swap_bytes
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
@@ -93,22 +93,6 @@ async def long_stream(
 
 async def publish(logical_id: str, adapter: Path, redis_server: EmbeddedRedis, store: Path) -> dict[str, str]:
     return await kvgate_json("publish", logical_id, str(adapter), redis_url=redis_server.url, store=store)
-
-
-def swap_bytes(path: Path, source: Path) -> dict[str, bytes]:
-    """Write ``source``'s files over the store directory ``path`` (as a divergent volume would show)."""
-    saved = {f.name: f.read_bytes() for f in path.iterdir()}
-    for name in saved:
-        (path / name).chmod(0o644)
-        if (source / name).is_file():
-            (path / name).write_bytes((source / name).read_bytes())
-    return saved
-
-
-def swap_back(path: Path, saved: dict[str, bytes]) -> None:
-    for name, data in saved.items():
-        (path / name).write_bytes(data)
-        (path / name).chmod(0o444)
 
 
 async def loaded(http: aiohttp.ClientSession, replica: VllmProcess) -> dict[str, str]:
