@@ -30,7 +30,7 @@ from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
-from gateway.config import Settings, describe_invalid, load_settings
+from gateway.config import Settings, describe_invalid, load_settings, unknown_environment
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
@@ -169,6 +169,8 @@ async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: Tracer
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
+    for warning in unknown_environment(os.environ):
+        logging.getLogger("gateway").warning("%s", warning)
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # every background task's
     async with (
         open_table(settings, tracing, supervisor=supervisor) as table,

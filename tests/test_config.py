@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gateway.cli import build_parser, main, settings_from
-from gateway.config import Settings, load_settings
+from gateway.config import Settings, load_settings, unknown_environment
 from gateway.core.errors import BadRequest
 from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
@@ -268,3 +268,12 @@ def test_a_config_value_of_the_wrong_toml_type_is_refused(tmp_path: Path) -> Non
         load_settings({}, config)
     config.write_text('auth = "api-keys"\n')
     assert load_settings({}, config).auth == "api-keys"
+
+
+def test_a_kvgate_variable_that_names_no_setting_is_warned_of() -> None:
+    """A typo (``KVGATE_AUHT``) would leave its setting at the default without a word: serve warns."""
+    every_setting = {f"KVGATE_{name.upper()}": "x" for name in Settings.model_fields}
+    environ = {**every_setting, "KVGATE_CONFIG": "k.toml", "KVGATE_AUHT": "api-keys", "PATH": "/bin"}
+    assert unknown_environment(environ) == [
+        "environment variable KVGATE_AUHT is not a kvgate setting and is ignored (see docs/configuration.md)"
+    ]
