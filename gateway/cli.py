@@ -30,7 +30,7 @@ from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
-from gateway.config import Settings, describe_invalid, load_settings, unknown_environment
+from gateway.config import Settings, describe_invalid, load_settings
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
@@ -38,7 +38,7 @@ from gateway.fleet.backends import dialect_for
 from gateway.open_table import open_table
 from gateway.periodic import Supervisor
 from gateway.serving import running
-from gateway.settings_table import add_setting_flags, flag_overrides
+from gateway.settings_table import add_setting_flags, flag_overrides, unknown_environment
 from gateway.table.callers import CallerTable
 from gateway.table.scripts import assemble_script, operation_names
 from gateway.telemetry.tracing import tracer_provider_from_env

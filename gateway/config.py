@@ -283,17 +283,6 @@ class Settings(BaseSettings):
         return base_identity(self.base_model, self.base_model_root)
 
 
-def unknown_environment(environ: Mapping[str, str]) -> list[str]:
-    """A warning per ``KVGATE_*`` variable that names no setting (a typo such as ``KVGATE_AUHT`` would
-    otherwise leave its setting at the default without a word)."""
-    known = {f"KVGATE_{name.upper()}" for name in Settings.model_fields} | {"KVGATE_CONFIG"}
-    return [
-        f"environment variable {name} is not a kvgate setting and is ignored (see docs/configuration.md)"
-        for name in sorted(environ)
-        if name.upper().startswith("KVGATE_") and name.upper() not in known
-    ]
-
-
 def read_config_file(path: Path) -> dict[str, Any]:
     """The settings a named TOML config file holds; any reason it cannot be read is a ``BadRequest``
     naming the file (fail closed: a file that is not read must never mean the defaults)."""

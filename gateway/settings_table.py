@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -62,6 +63,17 @@ def flag(name: str) -> str:
 
 def env_var(name: str) -> str:
     return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """A warning per ``KVGATE_*`` variable that names no setting (a typo such as ``KVGATE_AUHT`` would
+    otherwise leave its setting at the default without a word)."""
+    known = {env_var(name) for name in Settings.model_fields} | {"KVGATE_CONFIG"}
+    return [
+        f"environment variable {name} is not a kvgate setting and is ignored (see docs/configuration.md)"
+        for name in sorted(environ)
+        if name.upper().startswith("KVGATE_") and name.upper() not in known
+    ]
 
 
 def description(name: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gateway.cli import build_parser, main, settings_from
-from gateway.config import Settings, load_settings, unknown_environment
+from gateway.config import Settings, load_settings
 from gateway.core.errors import BadRequest
 from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
@@ -24,6 +24,7 @@ from gateway.settings_table import (
     flag,
     flag_overrides,
     setting_names,
+    unknown_environment,
 )
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from gateway.core.wire import replica_id
 from gateway.serving import running
+from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_proxy import Gateway, client, stubs
 from tests.test_proxy import gateway as gateway
@@ -133,16 +134,28 @@ async def test_an_unreachable_replica_and_a_failed_load_name_no_url_nor_library_
     gateway: Gateway, publish: Any
 ) -> None:
     await publish("tenant-42", b"v1")
+    async with (
+        running(build_stub(StubState(fail_loads="No adapter"))) as refusing,
+        gateway([refusing]) as url,
+    ):
+        failed_load = await complete(url, "tenant-42")
     async with contextlib.AsyncExitStack() as replica:
-        stub_url = await replica.enter_async_context(running(build_stub(StubState(fail_loads="No adapter"))))
+        state = StubState()
+        stub_url = await replica.enter_async_context(running(build_stub(state)))
         async with gateway([stub_url], poll_interval=60) as url:  # no poll: kvgate keeps it healthy
-            failed_load = await complete(url, "tenant-42")
+            # the start's listings and the poll's first step, then none for 60 s: a listing after the
+            # replica is gone would mark it unhealthy (a 503 "no healthy replica", not this case)
+            await eventually(lambda: state.listings >= 2, "the poll's first step")
+            listed = -1
+            while listed != state.listings:  # quiet for 0.5 s
+                listed = state.listings
+                await asyncio.sleep(0.5)
             await replica.aclose()  # the replica is gone
             unreachable = await complete(url, "base")
     assert failed_load[0] == 503
     message = json.loads(failed_load[1])["error"]["message"]
     assert "No adapter" in message  # the replica's reason for refusing the load stays
-    assert_nothing_leaks(message, stub_url)
+    assert_nothing_leaks(message, refusing)
     assert unreachable[0] == 502
     message = json.loads(unreachable[1])["error"]["message"]
     assert message == f"replica {replica_id(stub_url)} is unreachable"
