@@ -93,6 +93,7 @@ class Result:
     cached_tokens: int
     ttft_s: float
     oracle_blocks: int  # the best replica's blocks of this prompt in the served version's namespace, at send
+    chosen_blocks: int = 0  # what the replica kvgate chose held of it then (same namespace, same cap)
     own_blocks: int = 0  # leading blocks of the served namespace its replica ever stored (after the run)
     other_version_blocks: int = 0  # at send: its replica's blocks of the prompt in another version
 
@@ -304,7 +305,7 @@ async def run_one(
     events: Events,
     tokens: PromptTokens,
     work: Path,
-) -> list[Result]:
+) -> tuple[list[Result], dict[str, int]]:
     store, fixture = work / "store", args.fixture_dir
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         await clean_replicas(http, replicas)
@@ -360,9 +361,10 @@ async def run_one(
                     )
                     served, on = evidence.get(VERSION_HEADER, ""), evidence.get(REPLICA_HEADER, "")
                     oracle = max((n for (v, _), n in held.items() if v == served), default=0)
+                    chosen = held.get((served, on), 0)
                     other = max((n for (v, r), n in held.items() if v != served and r == on), default=0)
                     results.append(Result(item.index, name, served, on, prompt_tokens, cached, ttft,
-                                          oracle, other_version_blocks=other))  # fmt: skip
+                                          oracle, chosen, other_version_blocks=other))  # fmt: skip
 
             started = time.monotonic()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -382,7 +384,7 @@ async def run_one(
         results.sort(key=lambda r: r.index)
         dump = work / f"results-{run.mode}-{run.kvgates}.json"
         dump.write_text(json.dumps([vars(r) for r in results], indent=1))
-        return results
+        return results, decisions
 
 
 @dataclass(frozen=True)
@@ -393,14 +395,17 @@ class Row:
     ttft_p50_ms: float
     ttft_p90_ms: float
     oracle_share: float
+    chosen_share: float
+    misrouted: int
     oracle_ratio: float
     cross_version_hits: int
     at_risk: int
     per_replica: str
     evicted: int
+    decisions: str
 
 
-def summarize(run: Run, results: list[Result], warmup: int, evicted: int) -> Row:
+def summarize(run: Run, results: list[Result], warmup: int, evicted: int, decisions: dict[str, int]) -> Row:
     measured = [r for r in results if r.index >= warmup]
     prompt = sum(r.prompt_tokens for r in measured)
     cached = sum(r.cached_tokens for r in measured)
@@ -415,11 +420,14 @@ def summarize(run: Run, results: list[Result], warmup: int, evicted: int) -> Row
         statistics.median(ttfts),
         ttfts[int(0.9 * (len(ttfts) - 1))],
         hit_blocks / oracle_blocks if oracle_blocks else float("nan"),
+        sum(r.chosen_blocks for r in measured) / oracle_blocks if oracle_blocks else float("nan"),
+        sum(1 for r in measured if r.chosen_blocks < r.oracle_blocks),
         oracle_blocks * BLOCK / prompt if prompt else 0.0,
         sum(1 for r in results if r.cached_tokens // BLOCK > r.own_blocks),
         sum(1 for r in results if r.other_version_blocks > 0),
         " / ".join(str(sum(1 for r in measured if r.replica == url)) for url in replicas),
         evicted,
+        ", ".join(f"{k} {v}" for k, v in sorted(decisions.items())),
     )
 
 
@@ -427,14 +435,28 @@ def table(rows: Sequence[Row]) -> str:
     lines = [
         "| run | requests | cached-token ratio | TTFT p50 (ms) | TTFT p90 (ms) | hit blocks / oracle's "
         "| oracle's cached-token ratio | hits on another version's blocks | requests with another "
-        "version's blocks of their prompt on their replica | requests per replica | blocks evicted |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "version's blocks of their prompt on their replica |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r.run.label} | {r.requests} | {r.cached_ratio:.1%} | {r.ttft_p50_ms:.0f} | "
             f"{r.ttft_p90_ms:.0f} | {r.oracle_share:.1%} | {r.oracle_ratio:.1%} | {r.cross_version_hits} | "
-            f"{r.at_risk} | {r.per_replica} | {r.evicted:,} |"
+            f"{r.at_risk} |"
+        )
+    return "\n".join(lines)
+
+
+def diagnostics(rows: Sequence[Row]) -> str:
+    lines = [
+        "| run | chosen replica's blocks at send / oracle's | requests sent to a replica holding fewer "
+        "blocks than the best | requests per replica | blocks evicted | kvgate decisions (from /metrics) |",
+        "| --- | ---: | ---: | --- | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.run.label} | {r.chosen_share:.1%} | {r.misrouted} | {r.per_replica} | {r.evicted:,} | "
+            f"{r.decisions} |"
         )
     return "\n".join(lines)
 
@@ -531,9 +553,12 @@ async def main_async(args: argparse.Namespace) -> None:
             n = len(tokens.completion({"prompt": sample}) or ())
             print(f"replicas up; a request is {n} tokens ({(n - 1) // BLOCK} reusable blocks)", flush=True)
             for run in runs:
-                results = await run_one(run, args, replicas, redis, redis_server.url, events, tokens, work)
-                rows.append(summarize(run, results, args.warmup, events.removed))
+                results, decisions = await run_one(
+                    run, args, replicas, redis, redis_server.url, events, tokens, work
+                )
+                rows.append(summarize(run, results, args.warmup, events.removed, decisions))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
+                print(diagnostics(rows[-1:]).splitlines()[-1], flush=True)
         finally:
             for task in followers:
                 task.cancel()
@@ -549,7 +574,9 @@ async def main_async(args: argparse.Namespace) -> None:
         f"question; tenant-0 gets v2 after 1/3 and v3 after 2/3 of the requests (`kvgate publish`). "
         f"KV cache: {args.kv_blocks} blocks per replica (`--num-gpu-blocks-override`), against "
         f"{args.tenants * (system // BLOCK)} blocks of system prompts (one version each). Requests alternate "
-        f"between the kvgates of a run. Seed {args.seed}.\n\n{table(rows)}\n\n{verdicts(rows)}\n"
+        f"between the kvgates of a run. Seed {args.seed}.\n\n{table(rows)}\n\n{verdicts(rows)}\n\n"
+        f"Diagnostics (the warm-up excluded, except decisions and evictions: whole runs):\n\n"
+        f"{diagnostics(rows)}\n"
     )
     print(report)
     if args.out is not None:
@@ -563,8 +590,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", type=Path, required=True)
     parser.add_argument("--fixture-dir", type=Path, required=True)
-    parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--warmup", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--sentences", type=int, default=20)
