@@ -80,6 +80,14 @@ loadtest-proxy: $(VENV)/.done
 loadtest-routing: $(VENV)/.done
 	$(PY) -m loadtest.prefix_routing --replicas 2 4 --requests 20000 --seed 1 --out docs/prefix_routing.md
 
+# Prefix routing on two real vLLM CPU replicas (KV cache smaller than the working set), through one and two
+# kvgate processes: no prefix routing vs predicted vs precise (KV events), against an oracle computed from the
+# replicas' own events (issue 18's targets): docs/prefix_routing.md and docs/prefix_routing_real.png.
+.PHONY: loadtest-prefix-real
+loadtest-prefix-real: setup
+	$(PY) -m loadtest.prefix_real --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--out docs/prefix_routing.md --plot docs/prefix_routing_real.png
+
 # The chaos run (not part of `make test`): three kvgate processes on one Redis, two real vLLM replicas, four
 # tenants, traffic, changes and faults for MINUTES minutes; writes docs/chaos.md. `make chaos MINUTES=2`.
 MINUTES ?= 10
