@@ -69,12 +69,17 @@ loadtest-invalidation: setup
 	$(PY) -m loadtest.invalidation --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--out docs/invalidation.md --plot docs/invalidation.png
 
-# Proxy CPU per request and per 32-chunk SSE stream, kvgate vs direct vs a naive aiohttp proxy (and nginx
-# when installed), in front of a fast stub backend: writes docs/perf.md.
+# Proxy cost side by side under wrk (Debian's, Lua body): direct, kvgate, Rust vllm-router and nginx in front of
+# the same stub, plain and 32-chunk SSE streams at concurrency 1, 64 and 256, 3 rounds of 4 s a cell, CPU per
+# request of each proxy's process tree, foreign load flagged; then a py-spy profile of kvgate under the c64
+# load. Installs wrk, nginx-light, vllm-router (.venv-router) and py-spy when missing. Writes docs/perf.md
+# and docs/perf-profile.svg/.txt; about 10 minutes.
 loadtest-proxy: $(VENV)/.done
-	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
+	(command -v wrk && command -v nginx) >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light)
 	test -x .venv-router/bin/vllm-router || ($(PYTHON) -m venv .venv-router && .venv-router/bin/pip install $(PIP_QUIET) vllm-router)
-	$(PY) -m loadtest.proxy_overhead --requests 2000 --rounds 3 --out docs/perf.md
+	test -x $(VENV)/bin/py-spy || $(PY) -m pip install $(PIP_QUIET) py-spy
+	$(PY) -m loadtest.proxy_overhead --rounds 3 --seconds 4 --out docs/perf.md --profile docs/perf-profile
 
 # kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
 loadtest-routing: $(VENV)/.done

@@ -7,8 +7,8 @@ Three views, each as a share of all samples of the process:
   code it called), or to "outside gateway/" (the aiohttp server, asyncio);
 - self: the leaf frame, whatever module it is in.
 
-Also reads a cProfile dump (``*.pstats``, from ``loadtest/cprofile_kvgate.py``): cumulative CPU share of
-each ``gateway/`` function, and own time of every function.
+``gateway/cli.py`` (the entry point, under which the event loop runs) does not count as a gateway/ frame.
+``python -m loadtest.proxy_overhead --profile`` writes this summary next to its flame graph.
 
 Run: ``python -m loadtest.hotspots PROFILE [--top 15]``.
 """
@@ -16,7 +16,6 @@ Run: ``python -m loadtest.hotspots PROFILE [--top 15]``.
 from __future__ import annotations
 
 import argparse
-import pstats
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +53,8 @@ def frame_name(frame: str) -> tuple[str, bool]:
     if match is None:
         return frame.strip(), False
     path, func = match["file"], match["func"]
+    if path.endswith("gateway/cli.py"):  # the entry point: every sample of the event loop runs under it
+        return f"gateway/cli.py:{func}", False
     if "site-packages" not in path and (path.startswith("gateway/") or "/gateway/" in path):
         return f"{path[path.rfind('gateway/') :]}:{func}", True
     short = "/".join(path.split("/")[-2:])
@@ -84,47 +85,12 @@ def summarize(text: str) -> Summary:
     return Summary(total, inclusive, attributed, leaf)
 
 
-def _pstats_name(key: tuple[str, int, str]) -> tuple[str, bool]:
-    path, _, func = key
-    if path == "~":  # a builtin: "<method 'send' of '_socket.socket' objects>"
-        return func, False
-    return frame_name(f"{func} ({path})")
-
-
-def summarize_pstats(path: Path, top: int = 15) -> str:
-    """A cProfile dump (see ``loadtest/cprofile_kvgate.py``): shares of the profiled CPU time."""
-    stats = pstats.Stats(str(path))
-    table: dict[tuple[str, int, str], tuple[int, int, float, float, object]] = stats.stats  # type: ignore[attr-defined]
-    total = sum(tt for _, _, tt, _, _ in table.values())
-    if total <= 0:
-        return "no CPU time profiled"
-    cumulative: Counter[str] = Counter()
-    own: Counter[str] = Counter()
-    for key, (_, _, tt, ct, _) in table.items():
-        name, in_gateway = _pstats_name(key)
-        own[name] += round(tt * 1e6)
-        if in_gateway:
-            cumulative[name] = max(cumulative[name], round(ct * 1e6))
-    out = [
-        f"{total:.2f} s of profiled CPU (cProfile, process_time clock)",
-        "",
-        "gateway/ functions, cumulative:",
-    ]
-    out += [f"  {100 * us / 1e6 / total:5.1f}%  {name}" for name, us in cumulative.most_common(top)]
-    out += ["", "own time (any module, builtins included):"]
-    out += [f"  {100 * us / 1e6 / total:5.1f}%  {name}" for name, us in own.most_common(top)]
-    return "\n".join(out)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("profile", type=Path, help="py-spy raw output, or a cProfile dump (*.pstats)")
+    parser.add_argument("profile", type=Path, help="py-spy record --format raw output")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    if args.profile.suffix == ".pstats":
-        print(summarize_pstats(args.profile, args.top))
-    else:
-        print(summarize(args.profile.read_text(errors="replace")).render(args.top))
+    print(summarize(args.profile.read_text(errors="replace")).render(args.top))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,29 @@
-"""Proxy CPU cost, side by side: kvgate, a naive aiohttp proxy, nginx and vllm-router, same stub behind.
+"""Proxy cost side by side under wrk: direct, kvgate, vllm-router and nginx, the same stub behind each.
 
-Every server runs in its own process on loopback: the vLLM-API stub (``tests.stub_backend``, 32 SSE
-chunks per stream), ``kvgate serve`` (an adapter published through ``kvgate publish``, embedded Redis),
-the naive proxy (``loadtest/naive_proxy.py``), nginx with ``proxy_pass`` when ``nginx`` is on PATH, and
-vllm-router (Rust, ``round_robin`` over the one stub) when its command exists (``--vllm-router``, default
-``.venv-router/bin/vllm-router``; ``make loadtest-proxy`` installs it there). Missing ones are reported.
-The load generator runs here (aiohttp, keep-alive, fixed concurrency, bounded in count and time).
+Every server runs in its own process on loopback: the vLLM-API stub (``loadtest/stub_server.py``, 32 SSE
+chunks a stream, uvloop), ``kvgate serve`` (one process, on its real adapter path: an adapter published
+through ``kvgate publish`` as the current version of ``bench``, embedded Redis), Rust ``vllm-router``
+(``round_robin`` over the one stub; ``make loadtest-proxy`` installs it into ``.venv-router``) and nginx
+``proxy_pass`` (``worker_processes 1``). The load is Debian's ``wrk`` (one thread) with a Lua script that
+POSTs the body: non-streaming and streaming completions at concurrency 1, 64 and 256, a few seconds a cell.
+Each round runs every cell for every target one after the other (the order rotates between rounds), so a
+ratio is taken between figures measured side by side; figures are medians over rounds. Time to first SSE
+chunk comes from a Python client (aiohttp, one stream at a time, every stream checked: model name, 32
+chunks, ``[DONE]``); what a proxy adds is its figure minus direct's in the same round.
 
-What is measured is CPU time, not throughput: utime+stime of the proxy process (``/proc/<pid>/stat``
-deltas, nginx master and workers summed) over a phase, divided by the requests in it. The machine is
-shared and noisy, so each figure is the median over rounds, and ratios are taken within each round (same
-conditions) before their median. The direct target has no proxy; the stub's own CPU per request is shown
-for every target as context.
+CPU per request: utime+stime of each proxy's process tree (the process, its live descendants and reaped
+children: kvgate's embedded redis-server, nginx's worker), read from /proc before and after each cell,
+divided by the requests wrk completed. Foreign load: the machine's busy CPU (/proc/stat) during the cell
+minus what the measured processes used (proxy tree, stub, wrk, this script), in cores; the 1-minute load
+average at each cell's start is recorded too.
+
+``--profile`` then samples ``kvgate serve`` with ``py-spy record`` under the concurrency-64 non-streaming
+load: a flame graph (SVG) and a top-N summary of the folded stacks (``loadtest/hotspots.py``).
 
 Run from the repository root::
 
-    .venv/bin/python -m loadtest.proxy_overhead [--requests N] [--rounds R] [--out docs/perf.md]
+    .venv/bin/python -m loadtest.proxy_overhead [--rounds 3] [--seconds 4] [--out docs/perf.md] \\
+        [--profile docs/perf-profile]
 """
 
 from __future__ import annotations
@@ -24,11 +32,10 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import datetime
 import json
 import os
 import platform
-import shlex
+import resource
 import shutil
 import signal
 import statistics
@@ -38,7 +45,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -47,21 +54,22 @@ import aiohttp
 
 from gateway import generated_docs
 from gateway.serving import free_port
-from loadtest.hotspots import summarize, summarize_pstats
+from loadtest.hotspots import Summary, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 LOGICAL_ID = "bench"
 CHUNKS = 32
-TARGET_US = {"plain": 250.0, "stream": 600.0}
-# Quoted by the team for this machine; NOT measured by this script (its own figures for the same proxies
-# are in the table it writes, next to these).
-REFERENCE_US = {
-    "nginx proxy_pass": (60, 400),
-    "vllm-router (Rust)": (200, 850),
-    "naive aiohttp proxy": (500, 1100),
-}
 KINDS = ("plain", "stream")
+CONCURRENCY = (1, 64, 256)
+PEERS = ("vllm-router", "nginx")
+LABELS = {
+    "direct": "direct (the stub alone)",
+    "kvgate": "**kvgate** (`kvgate serve`, 1 process)",
+    "vllm-router": "vllm-router (Rust, `round_robin`)",
+    "nginx": "nginx `proxy_pass`",
+}
+FOREIGN_FLAG = 0.25  # cores used outside the measured processes above which a cell is flagged
 
 
 # --- child processes ------------------------------------------------------------------------------
@@ -85,17 +93,11 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
-    group: bool = False  # nginx: count the master's children (workers) too
-
-    def pids(self) -> list[int]:
-        if not self.group:
-            return [self.process.pid]
-        return [self.process.pid, *_children_of(self.process.pid)]
 
     def cpu_times(self) -> tuple[float, float]:
-        """(user, system) CPU seconds of the process (nginx: master and workers)."""
-        times = [_cpu_times(pid) for pid in self.pids()]
-        return sum(u for u, _ in times), sum(s for _, s in times)
+        """(user, system) CPU seconds of the process tree: the process (all threads), its live descendants
+        (kvgate's embedded redis-server, nginx's worker) and the children it has reaped."""
+        return tree_cpu_times(self.process.pid)
 
     def cpu_seconds(self) -> float:
         return sum(self.cpu_times())
@@ -118,28 +120,31 @@ class Child:
                 self.process.wait()
 
 
-def _cpu_times(pid: int) -> tuple[float, float]:
-    """(utime, stime) of a whole process (all threads), from /proc/<pid>/stat; zeros if it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on; None if the process is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
-        return 0.0, 0.0
-    fields = stat.rpartition(")")[2].split()  # fields[0] is field 3 (state)
-    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+        return None
 
 
-def _children_of(pid: int) -> list[int]:
-    found = []
+def tree_cpu_times(root: int) -> tuple[float, float]:
+    """(utime + cutime, stime + cstime) of ``root`` and every live descendant, in seconds, from /proc."""
+    parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    user = system = 0
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        fields = _stat_fields(pid)
+        if fields is None:
             continue
-        try:
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
+        user += int(fields[11]) + int(fields[13])  # utime, cutime (reaped children)
+        system += int(fields[12]) + int(fields[14])  # stime, cstime
+        todo += parents.get(pid, [])
+    return user / CLK_TCK, system / CLK_TCK
 
 
 class Fleet(contextlib.ExitStack):
@@ -150,7 +155,7 @@ class Fleet(contextlib.ExitStack):
         self.workdir = workdir
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: Sequence[str], *, group: bool = False) -> Child:
+    def start(self, name: str, argv: Sequence[str]) -> Child:
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
@@ -162,7 +167,7 @@ class Fleet(contextlib.ExitStack):
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,  # no threads exist yet
             )
-        child = Child(name, process, log, group)
+        child = Child(name, process, log)
         self.children[name] = child
         self.callback(child.stop)
         return child
@@ -204,7 +209,9 @@ def publish(workdir: Path) -> dict[str, object]:
         argv, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=120, check=False
     )
     if done.returncode != 0:
-        raise RuntimeError(f"kvgate publish failed ({done.returncode}): {done.stderr.strip()}")
+        raise RuntimeError(
+            f"kvgate publish failed ({done.returncode}): {argv} {(done.stdout + done.stderr).strip()[-300:]}"
+        )
     doc: dict[str, object] = json.loads(done.stdout)
     return doc
 
@@ -227,7 +234,7 @@ master_process on;
 worker_processes 1;
 {user}pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections 4096; }}
 http {{
     access_log off;
     client_body_temp_path {prefix}/client_body;
@@ -237,7 +244,7 @@ http {{
     scgi_temp_path {prefix}/scgi;
     upstream stub {{
         server 127.0.0.1:{upstream_port};
-        keepalive 32;
+        keepalive 256;
     }}
     server {{
         listen 127.0.0.1:{port};
@@ -280,7 +287,7 @@ def start_nginx(fleet: Fleet, binary: str, upstream_port: int) -> tuple[Child, s
     conf = prefix / "nginx.conf"
     conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, upstream_port=upstream_port, port=port))
     argv = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
-    child = fleet.start("nginx", argv, group=True)
+    child = fleet.start("nginx", argv)
     return child, f"http://127.0.0.1:{port}"
 
 
@@ -296,357 +303,448 @@ class Target:
     proxy: Child | None  # None: direct to the stub
 
 
-@dataclass
-class Phase:
-    requests: int
-    errors: int
-    proxy_cpu: float
-    proxy_sys: float  # the kernel's part of proxy_cpu (socket syscalls, loopback TCP)
-    stub_cpu: float
-    wall: float
-    p50_ms: float
-
-    def proxy_us(self) -> float:
-        return self.proxy_cpu / max(self.requests, 1) * 1e6
-
-    def proxy_sys_share(self) -> float:
-        return self.proxy_sys / self.proxy_cpu if self.proxy_cpu > 0 else float("nan")
-
-    def stub_us(self) -> float:
-        return self.stub_cpu / max(self.requests, 1) * 1e6
-
-
-@dataclass
-class Results:
-    targets: list[Target]
-    rounds: dict[tuple[str, str], list[Phase]] = field(default_factory=dict)
-    idle_ms_per_s: dict[str, float] = field(default_factory=dict)
-
-    def add(self, target: str, kind: str, phase: Phase) -> None:
-        self.rounds.setdefault((target, kind), []).append(phase)
-
-
 def payload(model: str, stream: bool) -> bytes:
     body = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": CHUNKS,
             "temperature": 0.0, "stream": stream}  # fmt: skip
     return json.dumps(body).encode()
 
 
-def response_ok(status: int, body: bytes, expect_model: str, stream: bool) -> bool:
-    if status != 200:
-        return False
-    if f'"model":"{expect_model}"'.encode() not in body:
-        return False
-    if stream:
-        return body.count(b"data: ") == CHUNKS + 1 and body.rstrip().endswith(b"data: [DONE]")
-    return True
+WRK_SCRIPT = """\
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [==[{body}]==]
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "WRK {{\\"requests\\":%d,\\"duration_us\\":%d,\\"connect\\":%d,\\"read\\":%d,\\"write\\":%d," ..
+    "\\"status\\":%d,\\"timeout\\":%d,\\"p50_us\\":%d,\\"p99_us\\":%d}}\\n",
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
 
 
-async def run_phase(
-    session: aiohttp.ClientSession,
-    target: Target,
-    stub: Child,
-    *,
-    stream: bool,
-    count: int,
-    concurrency: int,
-    max_seconds: float,
-    measure: bool = True,
-) -> Phase:
-    url = target.url + "/v1/completions"
-    data = payload(target.model, stream)
-    headers = {"Content-Type": "application/json"}
-    latencies: list[float] = []
-    errors = 0
-    issued = 0
-    deadline = time.monotonic() + max_seconds
-
-    async def worker() -> None:
-        nonlocal issued, errors
-        while issued < count and time.monotonic() < deadline:
-            issued += 1
-            started = time.perf_counter()
-            try:
-                async with session.post(url, data=data, headers=headers) as response:
-                    body = await response.read()
-                    ok = response_ok(response.status, body, target.expect_model, stream)
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
-            latencies.append(time.perf_counter() - started)
-            errors += not ok
-
-    proxy_before = target.proxy.cpu_times() if target.proxy and measure else (0.0, 0.0)
-    stub_before = stub.cpu_seconds() if measure else 0.0
-    wall_before = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - wall_before
-    proxy_after = target.proxy.cpu_times() if target.proxy and measure else (0.0, 0.0)
-    proxy_user, proxy_sys = proxy_after[0] - proxy_before[0], proxy_after[1] - proxy_before[1]
-    stub_cpu = stub.cpu_seconds() - stub_before if measure else 0.0
-    p50 = statistics.median(latencies) * 1e3 if latencies else float("nan")
-    return Phase(len(latencies), errors, proxy_user + proxy_sys, proxy_sys, stub_cpu, wall, p50)
+def wrk_script(workdir: Path, target: Target, kind: str) -> Path:
+    path = workdir / f"wrk-{target.name}-{kind}.lua"
+    path.write_text(WRK_SCRIPT.format(body=payload(target.model, kind == "stream").decode()))
+    return path
 
 
-async def idle_rate(target: Target, seconds: float) -> float:
-    """Background CPU of an idle proxy (kvgate polls replicas and reconciles Redis), in ms per second."""
-    if target.proxy is None:
-        return 0.0
-    before, started = target.proxy.cpu_seconds(), time.perf_counter()
-    await asyncio.sleep(seconds)
-    return (target.proxy.cpu_seconds() - before) / (time.perf_counter() - started) * 1e3
+@dataclass
+class Cell:
+    """One wrk run of one target: kind (plain or stream) at one concurrency."""
+
+    requests: int
+    errors: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    proxy_cpu: float  # seconds, the proxy's process tree
+    proxy_sys: float  # the kernel's part of it
+    stub_cpu: float
+    foreign_cores: float  # CPU used outside the measured processes, in cores
+    load1: float  # the 1-minute load average at the start
+
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else float("nan")
+
+    def cpu_us(self) -> float:
+        return self.proxy_cpu / self.requests * 1e6 if self.requests else float("nan")
+
+    def stub_us(self) -> float:
+        return self.stub_cpu / self.requests * 1e6 if self.requests else float("nan")
 
 
-async def bench(targets: list[Target], stub: Child, args: argparse.Namespace) -> Results:
-    results = Results(targets)
-    timeout = aiohttp.ClientTimeout(total=60, connect=5)
-    sessions = {
-        t.name: aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=args.concurrency, keepalive_timeout=120),
-            timeout=timeout,
-            auto_decompress=False,
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def _own_and_waited() -> float:
+    """CPU seconds of this script and of its reaped children (wrk runs are reaped when they finish)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+def run_wrk(target: Target, stub: Child, script: Path, *, concurrency: int, seconds: int) -> Cell:
+    argv = ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "10s", "-s", str(script),
+            target.url + "/v1/completions"]  # fmt: skip
+    load1 = os.getloadavg()[0]
+    proxy0 = target.proxy.cpu_times() if target.proxy else (0.0, 0.0)
+    stub0, busy0, mine0 = stub.cpu_seconds(), machine_busy(), _own_and_waited()
+    wall0 = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=False)
+    wall = time.perf_counter() - wall0
+    proxy1 = target.proxy.cpu_times() if target.proxy else (0.0, 0.0)
+    stub1, busy1, mine1 = stub.cpu_seconds(), machine_busy(), _own_and_waited()
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("WRK ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(
+            f"wrk against {target.name} failed ({done.returncode}): {argv} "
+            f"{(done.stdout + done.stderr).strip()[-300:]}"
         )
-        for t in targets
-    }
-    try:
-        # kvgate first: its first request loads the adapter into the stub, and the other targets send
-        # the versioned name straight to the stub (same upstream body size, same stub work).
-        for target in targets:
-            for stream in (False, True):
-                warm = await run_phase(sessions[target.name], target, stub, stream=stream,
-                                       count=args.warmup, concurrency=args.concurrency,
-                                       max_seconds=args.phase_seconds, measure=False)  # fmt: skip
-                if warm.errors:
-                    raise RuntimeError(
-                        f"{target.name}: {warm.errors}/{warm.requests} warm-up requests failed"
-                    )
-        for target in targets:
-            results.idle_ms_per_s[target.name] = await idle_rate(target, args.idle_seconds)
-        kvgate = next(t.proxy for t in targets if t.name == "kvgate")
-        assert kvgate is not None
-        async with _py_spy(kvgate, args.py_spy), _cprofile(kvgate, args.cprofile):
-            await _rounds(targets, stub, sessions, results, args)
-    finally:
-        for session in sessions.values():
-            await session.close()
+    report = json.loads(line.removeprefix("WRK "))
+    errors = sum(report[k] for k in ("connect", "read", "write", "status", "timeout"))
+    proxy_user, proxy_sys = proxy1[0] - proxy0[0], proxy1[1] - proxy0[1]
+    measured = proxy_user + proxy_sys + (stub1 - stub0) + (mine1 - mine0)
+    foreign = max(busy1 - busy0 - measured, 0.0) / wall
+    return Cell(
+        requests=int(report["requests"]),
+        errors=int(errors),
+        seconds=report["duration_us"] / 1e6,
+        p50_ms=report["p50_us"] / 1e3 if report["requests"] else float("nan"),
+        p99_ms=report["p99_us"] / 1e3 if report["requests"] else float("nan"),
+        proxy_cpu=proxy_user + proxy_sys,
+        proxy_sys=proxy_sys,
+        stub_cpu=stub1 - stub0,
+        foreign_cores=foreign,
+        load1=load1,
+    )
+
+
+async def first_chunks(target: Target, count: int) -> tuple[list[float], int]:
+    """``count`` streams one at a time on one keep-alive connection: each one's time to its first SSE
+    chunk (ms), and how many streams were wrong (status, model name, chunk count, ``[DONE]``)."""
+    url = target.url + "/v1/completions"
+    data = payload(target.model, True)
+    headers = {"Content-Type": "application/json"}
+    want = f'"model":"{target.expect_model}"'.encode()
+    times: list[float] = []
+    wrong = 0
+    connector = aiohttp.TCPConnector(limit=1)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+        for _ in range(count):
+            started = time.perf_counter()
+            async with session.post(url, data=data, headers=headers) as response:
+                body = await response.content.readany()
+                while b"data: " not in body:  # the first bytes may be less than a chunk
+                    more = await response.content.readany()
+                    if not more:
+                        break
+                    body += more
+                times.append((time.perf_counter() - started) * 1e3)
+                body += await response.read()
+            ok = response.status == 200 and want in body and body.count(b"data: ") == CHUNKS + 1
+            wrong += not (ok and body.rstrip().endswith(b"data: [DONE]"))
+    return times, wrong
+
+
+def check_plain(target: Target) -> None:
+    """One non-streaming request: 200 and the model name the client sent (kvgate rewrites it back)."""
+    request = urllib.request.Request(
+        target.url + "/v1/completions",
+        data=payload(target.model, False),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        body = answer.read()
+    if f'"model":"{target.expect_model}"'.encode() not in body:
+        raise RuntimeError(f"{target.name}: the answer does not name {target.expect_model}: {body[:300]!r}")
+
+
+@dataclass
+class Results:
+    targets: list[Target]
+    cells: dict[tuple[str, str, int], list[Cell]] = field(default_factory=dict)  # (target, kind, c)
+    ttfc: dict[str, list[float]] = field(default_factory=dict)  # target: each round's p50 (ms)
+    wrong_streams: int = 0
+    loads: list[float] = field(default_factory=list)
+
+    def of(self, target: str, kind: str, concurrency: int) -> list[Cell]:
+        return self.cells.get((target, kind, concurrency), [])
+
+
+def bench(targets: list[Target], stub: Child, workdir: Path, args: argparse.Namespace) -> Results:
+    results = Results(targets)
+    scripts = {(t.name, k): wrk_script(workdir, t, k) for t in targets for k in KINDS}
+    for target in targets:  # kvgate first: its first request loads the adapter into the stub
+        check_plain(target)
+        for kind in KINDS:
+            run_wrk(target, stub, scripts[target.name, kind], concurrency=64, seconds=args.warmup)
+    for round_no in range(args.rounds):
+        shift = round_no % len(targets)  # rotate the order: a drift of the machine hits all alike
+        order = targets[shift:] + targets[:shift]
+        for kind in KINDS:
+            for concurrency in CONCURRENCY:
+                for target in order:
+                    cell = run_wrk(target, stub, scripts[target.name, kind], concurrency=concurrency,
+                                   seconds=args.seconds)  # fmt: skip
+                    results.cells.setdefault((target.name, kind, concurrency), []).append(cell)
+                    results.loads.append(cell.load1)
+                    flag = "  FOREIGN LOAD" if cell.foreign_cores > FOREIGN_FLAG else ""
+                    print(f"  round {round_no + 1} {kind:<6} c{concurrency:<4} {target.name:<12} "
+                          f"{cell.rps():8.0f} req/s  {cell.cpu_us():7.0f} µs CPU/req  p50 {cell.p50_ms:7.2f} "
+                          f"p99 {cell.p99_ms:7.2f} ms  {cell.errors} err  foreign {cell.foreign_cores:.2f} "
+                          f"cores  load {cell.load1:.2f}{flag}", flush=True)  # fmt: skip
+        for target in order:
+            times, wrong = asyncio.run(first_chunks(target, args.streams))
+            results.ttfc.setdefault(target.name, []).append(statistics.median(times))
+            results.wrong_streams += wrong
+            p50 = statistics.median(times)
+            print(f"  round {round_no + 1} first chunk  {target.name:<12} p50 {p50:6.3f} "
+                  f"ms ({len(times)} streams, {wrong} wrong)", flush=True)  # fmt: skip
     return results
 
 
-@contextlib.asynccontextmanager
-async def _py_spy(child: Child, out: Path | None) -> AsyncIterator[None]:
-    """Optionally sample ``child`` with py-spy (collapsed stacks) while the body runs."""
-    if out is None:
-        yield
-        return
-    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    argv = [binary, "record", "--pid", str(child.process.pid), "--rate", "250", "--function",
-            "--format", "raw", "--output", str(out)]  # fmt: skip
-    spy = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL)
-    await asyncio.sleep(1.0)  # let it attach
-    try:
-        yield
-    finally:
-        if spy.returncode is None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-            try:
-                await asyncio.wait_for(spy.wait(), timeout=30)
-            except TimeoutError:
-                spy.kill()
-                await spy.wait()
-
-
-@contextlib.asynccontextmanager
-async def _cprofile(child: Child, out: Path | None) -> AsyncIterator[None]:
-    """Optionally switch on kvgate's cProfile (``loadtest/cprofile_kvgate.py``) while the body runs."""
-    if out is None:
-        yield
-        return
-    child.process.send_signal(signal.SIGUSR1)
-    try:
-        yield
-    finally:
-        child.process.send_signal(signal.SIGUSR2)
-        for _ in range(100):  # the dump is written by kvgate's signal handler
-            await asyncio.sleep(0.1)
-            if await asyncio.to_thread(out.exists):
-                break
-
-
-async def _rounds(
-    targets: list[Target],
-    stub: Child,
-    sessions: dict[str, aiohttp.ClientSession],
-    results: Results,
-    args: argparse.Namespace,
-) -> None:
-    for round_no in range(args.rounds):
-        shift = round_no % len(targets)  # rotate the order: slow drift of the machine hits all alike
-        for target in targets[shift:] + targets[:shift]:
-            for kind in args.kinds:
-                stream = kind == "stream"
-                count = args.requests if not stream else max(args.requests // 4, 1)
-                phase = await run_phase(sessions[target.name], target, stub, stream=stream, count=count,
-                                        concurrency=args.concurrency,
-                                        max_seconds=args.phase_seconds)  # fmt: skip
-                results.add(target.name, kind, phase)
-                kernel = f"({100 * phase.proxy_sys_share():3.0f}% sys)" if target.proxy else " " * 10
-                print(f"  round {round_no + 1} {target.name:<11} {kind:<6} {phase.requests:>6} req "
-                      f"{phase.errors} err  proxy {phase.proxy_us():7.0f} µs/req {kernel}  "
-                      f"stub {phase.stub_us():6.0f} µs/req  p50 {phase.p50_ms:6.2f} ms  "
-                      f"{phase.wall:5.1f} s", flush=True)  # fmt: skip
+def profile_kvgate(target: Target, stub: Child, script: Path, out: Path, seconds: int) -> Summary:
+    """``py-spy record`` of kvgate under concurrency-64 non-streaming load: ``out``.svg (flame graph) and
+    ``out``.txt (a top-N summary of the folded stacks of a second recording), whose summary it returns."""
+    assert target.proxy is not None
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    pid = str(target.proxy.process.pid)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix(".raw")
+    for fmt, path in (("flamegraph", out.with_suffix(".svg")), ("raw", raw)):
+        argv = [spy, "record", "--pid", pid, "--rate", "100", "--duration", f"{seconds:g}", "--nonblocking",
+                "--format", fmt, "--output", str(path)]  # fmt: skip
+        recorder = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        run_wrk(target, stub, script, concurrency=64, seconds=seconds + 2)
+        _, err = recorder.communicate(timeout=60)
+        if recorder.returncode != 0:
+            raise RuntimeError(
+                f"py-spy record failed ({recorder.returncode}): {err.decode(errors='replace')}"
+            )
+    summary = summarize(raw.read_text(errors="replace"))
+    raw.unlink()
+    text = (
+        f"py-spy record --rate 100 --nonblocking of `kvgate serve` (one process) for {seconds:g} s under wrk "
+        f"at concurrency 64, non-streaming; flame graph: {out.with_suffix('.svg').name}\n\n"
+        f"{summary.render(top=15)}\n"
+    )
+    out.with_suffix(".txt").write_text(text)
+    return summary
 
 
 # --- report ---------------------------------------------------------------------------------------
 
 
 def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    clean = [v for v in values if v == v]  # NaN: nothing measured
+    return statistics.median(clean) if clean else float("nan")
 
 
 def _spread(values: Sequence[float], digits: int = 0) -> str:
-    if not values:
+    clean = [v for v in values if v == v]
+    if not clean:
         return "n/a"
-    med = _median(values)
-    if len(values) == 1:
-        return f"{med:,.{digits}f}"
-    return f"**{med:,.{digits}f}** ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+    med = f"{_median(clean):,.{digits}f}"
+    return med if len(clean) == 1 else f"{med} ({min(clean):,.{digits}f}-{max(clean):,.{digits}f})"
 
 
-def _ratio(results: Results, num: str, den: str, kind: str) -> str:
-    a, b = results.rounds.get((num, kind), []), results.rounds.get((den, kind), [])
-    per_round = [x.proxy_us() / y.proxy_us() for x, y in zip(a, b, strict=False) if y.proxy_us() > 0]
-    if not per_round:
-        return "n/a"
-    return f"**{_median(per_round):.2f}x** ({min(per_round):.2f}-{max(per_round):.2f})"
+def per_round(a: Sequence[Cell], b: Sequence[Cell], value: Callable[[Cell], float]) -> list[float]:
+    """``value(a) / value(b)`` for each round (the two measured side by side)."""
+    return [value(x) / value(y) for x, y in zip(a, b, strict=False) if value(y) > 0]
 
 
-def render(results: Results, args: argparse.Namespace, env: dict[str, str]) -> str:
+def ratio(results: Results, peer: str, kind: str, concurrency: int, value: Callable[[Cell], float]) -> float:
+    return _median(
+        per_round(results.of("kvgate", kind, concurrency), results.of(peer, kind, concurrency), value)
+    )
+
+
+def added(results: Results, name: str) -> tuple[float, float]:
+    """What ``name`` adds to direct's p50 at concurrency 1 (ms): non-streaming (wrk), first chunk (client)."""
+    mine, base = results.of(name, "plain", 1), results.of("direct", "plain", 1)
+    plain = [x.p50_ms - y.p50_ms for x, y in zip(mine, base,
+                                                   strict=False)]  # fmt: skip
+    first = [x - y for x, y in zip(results.ttfc.get(name, []), results.ttfc.get("direct", []), strict=False)]
+    return _median(plain), _median(first)
+
+
+def _x(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}x"
+
+
+def targets_table(results: Results, names: Sequence[str]) -> list[str]:
+    """The issue's targets (issue 19), met or missed and by how much."""
+    rows = ["| target (issue 19) | measured | verdict |", "| --- | --- | --- |"]
+    router = "vllm-router" in names
+
+    def at_most(value: float, goal: float, unit: str = "x") -> str:
+        if value != value:
+            return "not measured"
+
+        def fmt(v: float) -> str:
+            return f"{v:.2f}x" if unit == "x" else f"{v:.3f} ms"
+
+        if value <= goal:
+            return f"met ({fmt(value)} ≤ {fmt(goal)})"
+        return f"**missed** by {value / goal:.2f}x ({fmt(value)} against ≤ {fmt(goal)})"
+
+    def at_least(value: float, goal: float) -> str:
+        if value != value:
+            return "not measured"
+        if value >= goal:
+            return f"met ({value:.2f}x ≥ {goal:.2f}x)"
+        return f"**missed**: {100 * (1 - value / goal):.0f}% short ({value:.2f}x against ≥ {goal:.2f}x)"
+
+    if router:
+        r = ratio(results, "vllm-router", "plain", 64, Cell.cpu_us)
+        rows.append(
+            f"| CPU per non-streaming request at c64 ≤ 2.0x vllm-router's | {_x(r)} | {at_most(r, 2.0)} |"
+        )
+        r = ratio(results, "vllm-router", "stream", 64, Cell.cpu_us)
+        rows.append(f"| CPU per 32-chunk stream at c64 ≤ 1.0x vllm-router's | {_x(r)} | {at_most(r, 1.0)} |")
+        for c in (64, 256):
+            r = ratio(results, "vllm-router", "stream", c, Cell.rps)
+            rows.append(
+                f"| streams/s at c{c} ≥ 1.0x vllm-router (one process) | {_x(r)} | {at_least(r, 1.0)} |"
+            )
+        for c in (64, 256):
+            r = ratio(results, "vllm-router", "plain", c, Cell.rps)
+            rows.append(f"| non-streaming req/s at c{c} ≥ 0.5x vllm-router (one process) | {_x(r)} "
+                        f"| {at_least(r, 0.5)} |")  # fmt: skip
+    plain, first = added(results, "kvgate")
+    rows.append(
+        f"| added p50 at c1, non-streaming ≤ 0.25 ms | {plain:.3f} ms | {at_most(plain, 0.25, 'ms')} |"
+    )
+    rows.append(
+        f"| added p50 at c1, to first chunk ≤ 0.3 ms | {first:.3f} ms | {at_most(first, 0.3, 'ms')} |"
+    )
+    kv = _median([c.p99_ms for c in results.of("kvgate", "stream", 256)])
+    peers = {p: _median([c.p99_ms for c in results.of(p, "stream", 256)]) for p in PEERS if p in names}
+    if peers:
+        worst = min(peers.values())
+        said = ", ".join(f"{p} {v:,.1f} ms" for p, v in peers.items())
+        if kv != kv or worst != worst:
+            verdict = "not measured (no stream completed in a cell)"
+        else:
+            verdict = "met" if kv < worst else f"**missed** (kvgate {kv / worst:.2f}x the lower peer)"
+        rows.append(f"| stream p99 at c256 below both peers' | kvgate {kv:,.1f} ms; {said} | {verdict} |")
+    rows.append("| `--workers 2`: req/s ≥ 0.9x vllm-router and ≥ 1.7x one worker | - | not measured: "
+                "`kvgate serve --workers` does not exist yet |")  # fmt: skip
+    return rows
+
+
+def profile_table(profile: Summary, base: str, top: int = 10) -> list[str]:
+    """The profile's top frames: each sample charged to its deepest gateway/ frame, and leaf frames."""
+    attributed = profile.attributed.most_common(top)
+    leaf = profile.leaf.most_common(top)
+    rows = [
+        f"Where kvgate's CPU goes under the c64 non-streaming load (py-spy, {profile.total} samples of "
+        f"`kvgate serve`; [{base}.svg]({base}.svg) is the flame graph, [{base}.txt]({base}.txt) the longer "
+        "list): share of samples charged to the deepest gateway/ frame (with the library code it called), "
+        "and leaf frames (own time, any module).",
+        "",
+        "| deepest gateway/ frame | share | leaf frame | share |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    for i in range(max(len(attributed), len(leaf))):
+        a = attributed[i] if i < len(attributed) else ("", 0)
+        b = leaf[i] if i < len(leaf) else ("", 0)
+        rows.append(
+            f"| `{a[0]}` | {100 * a[1] / profile.total:.1f}% | `{b[0]}` | {100 * b[1] / profile.total:.1f}% |"
+        )
+    return rows
+
+
+def render(results: Results, args: argparse.Namespace, env: dict[str, str], profile: Summary | None) -> str:
     names = [t.name for t in results.targets]
+    flagged = sum(c.foreign_cores > FOREIGN_FLAG for cells in results.cells.values() for c in cells)
+    total = sum(len(cells) for cells in results.cells.values())
     lines = [
-        "# Proxy CPU cost: kvgate side by side",
+        "# Proxy cost: kvgate side by side",
         "",
-        f"Generated by `loadtest/proxy_overhead.py` on {env['date']}. Command (from the repository root):",
+        f"{args.rounds} rounds; in each, every cell (kind x concurrency) runs for every target one after the "
+        f"other, wrk for {args.seconds} s a cell (one wrk thread, keep-alive, loopback). Figures are medians "
+        "over rounds, (min-max) where shown; ratios are taken within each round (targets measured side by "
+        "side), then their median. CPU = utime+stime of the proxy's process tree (/proc) over the cell ÷ "
+        "requests completed. *Foreign* = cores used during the cell by processes other than the proxy, "
+        f"the stub, wrk and this script (another benchmark, a test suite); a cell above {FOREIGN_FLAG} cores "
+        "is flagged ⚠.",
         "",
-        "```sh",
-        env["command"],
-        "```",
+        "| kind | c | target | req/s | CPU µs / request | kernel share | p50 ms | p99 ms | stub CPU µs / req "
+        "| errors | foreign cores |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for kind in KINDS:
+        for concurrency in CONCURRENCY:
+            for target in results.targets:
+                cells = results.of(target.name, kind, concurrency)
+                if not cells:
+                    continue
+                if target.proxy is None:
+                    cpu, kernel = "0 (no proxy)", "-"
+                else:
+                    cpu = _spread([c.cpu_us() for c in cells])
+                    kernel = (
+                        f"{100 * _median([c.proxy_sys / c.proxy_cpu for c in cells if c.proxy_cpu]):.0f}%"
+                    )
+                foreign = _median([c.foreign_cores for c in cells])
+                flag = " ⚠" if any(c.foreign_cores > FOREIGN_FLAG for c in cells) else ""
+                lines.append(
+                    f"| {'stream' if kind == 'stream' else 'plain'} | {concurrency} | {LABELS[target.name]} "
+                    f"| {_spread([c.rps() for c in cells])} | {cpu} | {kernel} "
+                    f"| {_median([c.p50_ms for c in cells]):,.2f} "
+                    f"| {_median([c.p99_ms for c in cells]):,.2f} "
+                    f"| {_median([c.stub_us() for c in cells]):,.0f} | {sum(c.errors for c in cells)} "
+                    f"| {_spread([c.foreign_cores for c in cells], 2) if foreign == foreign else 'n/a'}"
+                    f"{flag} |"
+                )
+
+    peers = [p for p in PEERS if p in names]
+    head = " | ".join(f"CPU / req ÷ {p}" for p in peers) + " | " + " | ".join(f"req/s ÷ {p}" for p in peers)
+    lines += [
         "",
-        f"{args.rounds} rounds; per round and target: {args.requests} non-streaming `/v1/completions`, then "
-        f"{max(args.requests // 4, 1)} streaming ones ({CHUNKS} SSE chunks + `[DONE]`), concurrency "
-        f"{args.concurrency}, keep-alive, loopback. CPU = utime+stime delta of the proxy process(es) "
-        "over the phase ÷ requests. **Bold: median over rounds**, (min-max) across rounds.",
+        "kvgate against each peer (per-round ratios, median; CPU: lower is better, req/s: higher is better):",
         "",
-        "| target | proxy CPU µs / request | proxy CPU µs / 32-chunk stream | kernel share (req / stream) "
-        "| client p50 ms (req / stream) | stub CPU µs (req / stream) | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| kind | c | {head} |",
+        "| --- | ---: |" + " ---: |" * (2 * len(peers)),
+    ]
+    for kind in KINDS:
+        for concurrency in CONCURRENCY:
+            row = [_x(ratio(results, p, kind, concurrency, Cell.cpu_us)) for p in peers]
+            row += [_x(ratio(results, p, kind, concurrency, Cell.rps)) for p in peers]
+            lines.append(f"| {kind} | {concurrency} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Latency at concurrency 1: wrk's p50 (non-streaming) and the time to the first SSE chunk "
+        f"({args.streams} "
+        "streams a round, one at a time, from a Python aiohttp client); *added* = the target's figure minus "
+        "direct's in the same round, median over rounds.",
+        "",
+        "| target | p50 ms, non-streaming | added ms | first chunk p50 ms | added ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for target in results.targets:
-        plain = results.rounds.get((target.name, "plain"), [])
-        stream = results.rounds.get((target.name, "stream"), [])
-        if target.proxy is None:
-            cpu_plain = cpu_stream = "0 (no proxy)"
-            kernel = "-"
+        plain = _median([c.p50_ms for c in results.of(target.name, "plain", 1)])
+        first = _median(results.ttfc.get(target.name, []))
+        if target.name == "direct":
+            lines.append(f"| {LABELS['direct']} | {plain:.3f} | - | {first:.3f} | - |")
         else:
-            cpu_plain = _spread([p.proxy_us() for p in plain])
-            cpu_stream = _spread([p.proxy_us() for p in stream])
-            kernel = " / ".join(
-                f"{100 * _median([p.proxy_sys_share() for p in phases]):.0f}%" for phases in (plain, stream)
+            add_plain, add_first = added(results, target.name)
+            lines.append(
+                f"| {LABELS[target.name]} | {plain:.3f} | {add_plain:+.3f} | {first:.3f} | {add_first:+.3f} |"
             )
-        p50 = f"{_median([p.p50_ms for p in plain]):.2f} / {_median([p.p50_ms for p in stream]):.2f}"
-        stub = f"{_median([p.stub_us() for p in plain]):.0f} / {_median([p.stub_us() for p in stream]):.0f}"
-        errors = sum(p.errors for p in plain + stream)
-        total = sum(p.requests for p in plain + stream)
-        cells = [env["label:" + target.name], cpu_plain, cpu_stream, kernel, p50, stub, f"{errors} / {total}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    if "nginx" not in names:
-        lines.append(f"| nginx `proxy_pass` | {env['nginx']} | - | - | - | - | - |")
-    if "vllm-router" not in names:
-        lines.append(f"| vllm-router | {env['vllm-router']} | - | - | - | - | - |")
+    lines += ["", *targets_table(results, names), ""]
     lines += [
-        "",
-        "Ratios, taken within each round (same machine state), then the median over rounds:",
-        "",
-        "| ratio | per request | per 32-chunk stream |",
-        "| --- | --- | --- |",
-        f"| kvgate / naive aiohttp proxy | {_ratio(results, 'kvgate', 'naive', 'plain')} "
-        f"| {_ratio(results, 'kvgate', 'naive', 'stream')} |",
-    ]
-    if "nginx" in names:
-        lines.append(
-            f"| kvgate / nginx | {_ratio(results, 'kvgate', 'nginx', 'plain')} "
-            f"| {_ratio(results, 'kvgate', 'nginx', 'stream')} |"
-        )
-    else:
-        lines.append(f"| kvgate / nginx | n/a: {env['nginx']} | n/a |")
-    if "vllm-router" in names:
-        lines.append(
-            f"| kvgate / vllm-router | {_ratio(results, 'kvgate', 'vllm-router', 'plain')} "
-            f"| {_ratio(results, 'kvgate', 'vllm-router', 'stream')} |"
-        )
-    else:
-        lines.append(f"| kvgate / vllm-router | n/a: {env['vllm-router']} | n/a |")
-    kv_plain = _median([p.proxy_us() for p in results.rounds.get(("kvgate", "plain"), [])])
-    kv_stream = _median([p.proxy_us() for p in results.rounds.get(("kvgate", "stream"), [])])
-
-    def verdict(value: float, kind: str) -> str:
-        goal = TARGET_US[kind]
-        if value != value:  # NaN: this kind was not measured
-            return "not measured"
-        return f"{value:,.0f} µs vs ≤ {goal:,.0f} µs: " + (
-            "within target" if value <= goal else "**over target**"
-        )
-
-    others = [name for name in names if name != "kvgate"]
-    senders = ", ".join(others[:-1]).capitalize() + " and " + others[-1] if len(others) > 1 else "Direct"
-    idle = ", ".join(
-        f"{name} {results.idle_ms_per_s.get(name, 0.0):.2f}" for name in names if name != "direct"
-    )
-    lines += [
-        "",
-        f"Targets for kvgate on this 2-core machine: per request {verdict(kv_plain, 'plain')}; "
-        f"per stream {verdict(kv_stream, 'stream')}.",
-        "",
-        "Quoted reference figures (µs per request / per stream; from the team's brief, **not measured by "
-        "this run**): " + "; ".join(f"{k} ≈ {a} / {b}" for k, (a, b) in REFERENCE_US.items()) + ".",
-        "",
         "Notes:",
         "",
-        *(
-            ["- **This run profiled kvgate**: its figures are inflated; do not compare them."]
-            if args.py_spy or args.cprofile
-            else []
-        ),
-        f"- Idle background CPU of each proxy (ms of CPU per second, measured before the rounds): {idle}. "
-        "kvgate polls its replicas and reconciles Redis every second; that share is included in the figures "
-        "above (it is small next to a phase's CPU).",
-        f"- CPU times come in ticks of {1000 / CLK_TCK:.0f} ms; a phase's total is tens to hundreds of "
-        "ticks, so a figure carries a few % of quantisation noise.",
-        "- Kernel share: stime / (utime + stime) of the proxy; on loopback most of it is socket sends "
-        "(the kernel runs the receiver's TCP path in the sender's syscall) and epoll.",
-        "- The load generator, the stub and the proxy share the 2 cores: latencies include that contention, "
-        "CPU figures do not (each is one process's own time).",
-        f"- {senders} send the versioned name (`"
-        + env["versioned"]
-        + "`) straight to the stub"
-        + (" (vllm-router passes it through unchanged)" if "vllm-router" in names else "")
-        + "; kvgate "
+        f"- Load: the 1-minute load average at the cells' starts ranged {min(results.loads):.2f}-"
+        f"{max(results.loads):.2f} (start of run {env['load_start']}, end {generated_docs.load()}); "
+        f"{flagged} of {total} cells had more than {FOREIGN_FLAG} cores of foreign load. The machine has 2 "
+        "cores, shared by wrk, the stub, the proxy and whatever else ran: throughput and latency figures "
+        "carry that contention, CPU per request much less (each is the proxy's own time).",
+        f"- Streams checked by the first-chunk client: {results.wrong_streams} wrong (status, model name, "
+        f"{CHUNKS} chunks, `[DONE]`); each target's non-streaming answer was checked once before the rounds. "
+        "wrk counts errors as socket errors, timeouts and non-2xx answers.",
+        "- wrk stops at the end of a cell with requests in flight: their CPU is in the cell, they are not in "
+        "its count (at c256 a few % of a cell's requests; alike for every target).",
+        f"- Direct, vllm-router and nginx send the versioned name (`{env['versioned']}`) to the stub; kvgate "
         f"gets the logical ID `{LOGICAL_ID}` and rewrites it both ways, so the stub does the same work.",
-        "- nginx runs with `worker_processes 1` (one core, like the Python proxies); master + worker CPU "
-        "summed.",
-        *(
-            [
-                f"- vllm-router ({env['vllm-router']}): `--policy round_robin`, the stub as its only worker, "
-                "`--log-level warning`; one process (all its threads, so it may use both cores); it "
-                "health-checks the worker in the background (in its idle figure above)."
-            ]
-            if "vllm-router" in names
-            else []
-        ),
-        "",
-        f"Machine: {env['machine']}. Tree measured: {env['revision']}. Load average at start / end: "
-        f"{env['load_start']} / {env['load_end']}.",
-        "",
+        "- kvgate: `kvgate serve` on one process, embedded redis-server (in its process tree); `--workers` "
+        "does not exist yet, so no multi-worker row. nginx: `worker_processes 1`, upstream `keepalive 256`, "
+        f"`proxy_buffering off` (master and worker summed). vllm-router ({env['vllm-router']}): "
+        "`--policy round_robin`, the stub as its only worker; one process, all its threads.",
+        f"- Machine: {env['machine']}. wrk: {env['wrk']}. nginx: {env['nginx']}.",
     ]
-    return "\n".join(lines)
+    if profile is not None and args.profile is not None:
+        lines += ["", *profile_table(profile, args.profile.name)]
+    return "\n".join(lines) + "\n"
 
 
 def _load_average() -> str:
@@ -678,54 +776,6 @@ def _revision() -> str:
     return head + (" + uncommitted changes in gateway/" if git("status", "--porcelain", "gateway") else "")
 
 
-def _command(argv: Sequence[str]) -> str:
-    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    return shlex.join([python, "-m", "loadtest.proxy_overhead", *argv])
-
-
-# --- main -----------------------------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.proxy_overhead", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--requests", type=int, default=2000, help="non-streaming requests per round and "
-                        "target; streams are a quarter of it (default 2000)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--warmup", type=int, default=100, help="unmeasured requests per target and kind")
-    parser.add_argument("--phase-seconds", type=float, default=180.0, help="time bound of one phase")
-    parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle window for background CPU")
-    parser.add_argument(
-        "--cprofile",
-        type=Path,
-        metavar="FILE",
-        help="run kvgate under cProfile (CPU clock) in the rounds, dump to FILE (.pstats); perturbs figures",
-    )
-    parser.add_argument("--kinds", default="plain,stream", help="which phases to measure: plain, stream "
-                        "or both, comma-separated (default both)")  # fmt: skip
-    parser.add_argument("--vllm-router", type=Path, default=Path(".venv-router/bin/vllm-router"),
-                        help="vllm-router command, relative to the repository root unless absolute; "
-                        "skipped if missing (default .venv-router/bin/vllm-router)")  # fmt: skip
-    parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
-    parser.add_argument("--py-spy", type=Path, metavar="FILE", help="also sample kvgate with py-spy in the "
-                        "rounds (raw stacks to FILE, summary printed); perturbs the figures")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.requests < 1 or args.rounds < 1 or args.concurrency < 1:
-        parser.error("--requests, --rounds and --concurrency must be positive")
-    if args.py_spy is not None:
-        args.py_spy = args.py_spy.resolve()
-    if args.cprofile is not None:
-        args.cprofile = args.cprofile.resolve()
-        with contextlib.suppress(FileNotFoundError):
-            args.cprofile.unlink()  # a fresh dump marks the end of profiling
-    args.kinds = tuple(kind for kind in KINDS if kind in args.kinds.split(","))
-    if not args.kinds:
-        parser.error(f"--kinds takes {' and/or '.join(KINDS)}")
-    return args
-
-
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -740,24 +790,59 @@ def _signals_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+# --- main -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.proxy_overhead", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
+    parser.add_argument("--seconds", type=int, default=4, help="wrk's duration of one cell (default 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured wrk seconds per target and kind")
+    parser.add_argument("--streams", type=int, default=100, help="streams a round for the first-chunk client")
+    parser.add_argument("--vllm-router", type=Path, default=Path(".venv-router/bin/vllm-router"),
+                        help="vllm-router command, relative to the repository root unless absolute; "
+                        "skipped if missing (default .venv-router/bin/vllm-router)")  # fmt: skip
+    parser.add_argument("--out", default="docs/perf.md", help="markdown report ('-': print only)")
+    parser.add_argument("--profile", type=Path, metavar="BASE", help="after the rounds, py-spy kvgate "
+                        "under c64 plain load: BASE.svg (flame graph) and BASE.txt (summary)")  # fmt: skip
+    parser.add_argument("--profile-seconds", type=int, default=10, help="seconds of each py-spy recording")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.seconds <= 0 or args.streams < 1:
+        parser.error("--rounds, --seconds and --streams must be positive")
+    if args.profile is not None and not args.profile.is_absolute():
+        args.profile = ROOT / args.profile
+    return args
+
+
+def _version(argv: Sequence[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        text = (done.stdout + done.stderr).strip().splitlines()
+        return text[0] if text else "?"
+    return "?"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(raw_argv)
+    args = parse_args(argv)
     generated_docs.started_tree()  # the tree measured, taken before the run
+    if shutil.which("wrk") is None:
+        print(
+            "proxy_overhead: no `wrk` on PATH (`apt-get install wrk`; make loadtest-proxy does)",
+            file=sys.stderr,
+        )
+        return 1
     env = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": _command(raw_argv),
         "machine": f"{_cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"aiohttp {aiohttp.__version__}",
         "load_start": _load_average(),
-        "revision": _revision(),
-        "label:direct": "direct → stub (no proxy)",
-        "label:kvgate": "**kvgate** (`kvgate serve`)",
-        "label:naive": "naive aiohttp proxy",
-        "label:nginx": "nginx `proxy_pass`",
-        "label:vllm-router": "vllm-router (Rust, `round_robin`)",
+        "wrk": _version(["wrk", "--version"]).split(" Copyright")[0],
+        "nginx": "not installed (skipped)",
+        "vllm-router": "not installed (skipped)",
     }
     py = sys.executable
+    started = time.monotonic()
     with _signals_exit(), tempfile.TemporaryDirectory(prefix="kvgate-perf-") as tmp:
         workdir = Path(tmp)
         try:
@@ -769,75 +854,57 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stub_url = f"http://127.0.0.1:{stub_port}"
                 wait_ready(stub, stub_url + "/v1/models")
 
-                published = publish(workdir)
-                versioned = str(published["name"])
+                versioned = str(publish(workdir)["name"])
                 env["versioned"] = versioned
                 kv_port = free_port()
-                kvgate_cmd = ["-m", "gateway.cli"]
-                if args.cprofile is not None:
-                    kvgate_cmd = ["-m", "loadtest.cprofile_kvgate", str(args.cprofile)]
-                kvgate = fleet.start("kvgate", [py, *kvgate_cmd, "serve", "--replica", stub_url,
+                kvgate = fleet.start("kvgate", [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
                                                 "--data-dir", str(workdir / "kvgate"),
                                                 "--store", str(workdir / "store"),
                                                 "--port", str(kv_port)])  # fmt: skip
                 kv_url = f"http://127.0.0.1:{kv_port}"
                 wait_ready(kvgate, kv_url + "/healthz")
-
-                naive_port = free_port()
-                naive = fleet.start("naive", [py, "-m", "loadtest.naive_proxy", "--port", str(naive_port),
-                                              "--upstream", stub_url])  # fmt: skip
-                naive_url = f"http://127.0.0.1:{naive_port}"
-                wait_ready(naive, naive_url + "/v1/models")
-
                 targets = [
-                    Target("kvgate", kv_url, LOGICAL_ID, LOGICAL_ID, kvgate),
                     Target("direct", stub_url, versioned, versioned, None),
-                    Target("naive", naive_url, versioned, versioned, naive),
+                    Target("kvgate", kv_url, LOGICAL_ID, LOGICAL_ID, kvgate),
                 ]
-                nginx_binary = shutil.which("nginx")
-                if nginx_binary is None:
-                    env["nginx"] = (
-                        "not installed here (`nginx` not on PATH; `apt-get install nginx` to add it)"
-                    )
-                    print("nginx: not installed (no `nginx` on PATH): skipped", flush=True)
-                else:
-                    nginx, nginx_url = start_nginx(fleet, nginx_binary, stub_port)
-                    wait_ready(nginx, nginx_url + "/v1/models")
-                    targets.append(Target("nginx", nginx_url, versioned, versioned, nginx))
-                    env["nginx"] = nginx_binary
                 router_binary = ROOT / args.vllm_router  # an absolute path stays as it is
-                if not (router_binary.is_file() and os.access(router_binary, os.X_OK)):
-                    env["vllm-router"] = (
-                        f"not installed here (no `{args.vllm_router}`; `make loadtest-proxy` installs it)"
-                    )
-                    print(f"vllm-router: not installed (no {router_binary}): skipped", flush=True)
-                else:
+                if router_binary.is_file() and os.access(router_binary, os.X_OK):
                     router, router_url = start_vllm_router(fleet, router_binary, stub_url)
                     wait_ready(router, router_url + "/health", timeout=60.0)
                     targets.append(Target("vllm-router", router_url, versioned, versioned, router))
-                    env["vllm-router"] = f"{args.vllm_router}, {router_version(router_binary)}"
-
+                    env["vllm-router"] = router_version(router_binary)
+                else:
+                    print(f"vllm-router: not installed (no {router_binary}): skipped", flush=True)
+                nginx_binary = shutil.which("nginx")
+                if nginx_binary is not None:
+                    nginx, nginx_url = start_nginx(fleet, nginx_binary, stub_port)
+                    wait_ready(nginx, nginx_url + "/v1/models")
+                    targets.append(Target("nginx", nginx_url, versioned, versioned, nginx))
+                    env["nginx"] = _version([nginx_binary, "-v"]).removeprefix("nginx version: ")
+                else:
+                    print("nginx: not installed (no `nginx` on PATH): skipped", flush=True)
+                # kvgate first in the warm-up: its first request loads the adapter into the stub
+                targets.insert(0, targets.pop(1))
                 print(f"targets: {', '.join(t.name for t in targets)}; published {versioned}", flush=True)
-                results = asyncio.run(bench(targets, stub, args))
+                results = bench(targets, stub, workdir, args)
+                results.targets.sort(key=lambda t: list(LABELS).index(t.name))
+                summary = None
+                if args.profile is not None:
+                    kv_target = next(t for t in targets if t.name == "kvgate")
+                    script = wrk_script(workdir, kv_target, "plain")
+                    summary = profile_kvgate(kv_target, stub, script, args.profile, args.profile_seconds)
         except RuntimeError as exc:
             print(f"proxy_overhead: {exc}", file=sys.stderr)
             return 1
-    env["load_end"] = _load_average()
-    if args.cprofile is not None and args.cprofile.exists():
-        print(f"\ncProfile of kvgate written to {args.cprofile}")
-        print(summarize_pstats(args.cprofile))
-    if args.py_spy is not None and args.py_spy.exists():
-        print(f"\npy-spy profile of kvgate written to {args.py_spy}")
-        print(summarize(args.py_spy.read_text(errors="replace")).render())
-    report = render(results, args, env)
+    report = render(results, args, env, summary)
     print()
     print(report)
+    if summary is not None:
+        print(f"py-spy profile of kvgate: {args.profile}.svg, {args.profile}.txt\n{summary.render(top=15)}")
+    print(f"run took {time.monotonic() - started:.0f} s")
     if args.out != "-":
         out = Path(args.out)
-        if not out.is_absolute():
-            out = ROOT / out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        generated_docs.write_report(out, report)
+        generated_docs.write_report(out if out.is_absolute() else ROOT / out, report)
         print(f"written to {out}")
     return 0
 

@@ -1,6 +1,6 @@
 """The vLLM-API stub (``tests.stub_backend``) as its own process, so its CPU is not the proxy's.
 
-Run: ``python -m loadtest.stub_server --port P [--chunks 32]``; stops on SIGTERM or SIGINT.
+Run: ``python -m loadtest.stub_server --port P [--chunks 32]`` (on uvloop); stops on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import contextlib
 import signal
+
+import uvloop
 
 from gateway.serving import running
 from tests.stub_backend import StubState, build_stub
@@ -40,7 +42,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=32)
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.chunks))
+    uvloop.run(serve(args.port, args.chunks))  # as kvgate serve runs
 
 
 if __name__ == "__main__":
