@@ -27,13 +27,13 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 import zmq
 import zmq.asyncio
 
 from gateway.core.errors import MalformedEvent
 from gateway.core.kv_events import Batch, decode_message, sequence
 from gateway.core.kv_index import PreciseIndex
+from gateway.fleet.backends import answers
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.tokens import PromptTokens
@@ -172,7 +172,7 @@ class KvFollower:
         async with self.session.get(self.replica.url + SOURCES_PATH) as response:
             if response.status != 200:
                 raise MalformedEvent(f"{self.replica.url}{SOURCES_PATH} answered {response.status}")
-            sources = orjson.loads(await response.read())
+            sources = answers.json_of(await response.read())  # MalformedAnswer: not UTF-8 JSON
         return endpoints_from_sources(sources, self.replica.url)
 
     async def receive(self, frames: list[bytes]) -> None:
