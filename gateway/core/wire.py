@@ -24,7 +24,15 @@ DIGEST_HEADER = "x-kvgate-digest"
 EPOCH_HEADER = "x-kvgate-epoch"
 REPLICA_HEADER = "x-kvgate-replica"
 PREFIX_KEY_HEADER = "x-kvgate-prefix-key"
-EVIDENCE_HEADERS = (VERSION_HEADER, DIGEST_HEADER, EPOCH_HEADER, REPLICA_HEADER, PREFIX_KEY_HEADER)
+PREFIX_MATCH_HEADER = "x-kvgate-prefix-match"  # "precise:3": the blocks the decision matched, and by what
+EVIDENCE_HEADERS = (
+    VERSION_HEADER,
+    DIGEST_HEADER,
+    EPOCH_HEADER,
+    REPLICA_HEADER,
+    PREFIX_KEY_HEADER,
+    PREFIX_MATCH_HEADER,
+)
 """Response headers that say which effective model answered."""
 PIN_HEADER = "x-kvgate-pin"
 NAMESPACE_HEADER = "x-kvgate-namespace"  # "cold": a fresh, throwaway cache namespace (audits)

@@ -152,7 +152,7 @@ class Proxy:
             self.metrics.routing.labels(decision.reason).inc()
             self.metrics.prefix_matched_blocks.labels(decision.prefix_source).observe(decision.matched_blocks)
             try:
-                return await self.forward(request, parsed, target, reservation, span, started)
+                return await self.forward(request, parsed, target, reservation, decision, span, started)
             except VersionForgotten:
                 await self.pool.refresh(decision.replica)
                 if forgotten:
@@ -225,6 +225,7 @@ class Proxy:
         parsed: ParsedRequest,
         target: Target,
         reservation: Reservation,
+        decision: Decision[Replica],
         span: Span,
         started: float,
     ) -> web.StreamResponse:
@@ -239,7 +240,9 @@ class Proxy:
             attr.inject_traceparent(headers)
         rewrite = _rewrite(route, name, target.logical_id)
         usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
-        evidence = relay.evidence(target, self.replica_names[replica.url])
+        evidence = relay.evidence(
+            target, self.replica_names[replica.url], decision.prefix_source, decision.matched_blocks
+        )
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         response: web.StreamResponse
         with relay.upstream_errors(self.replica_names[replica.url]):

@@ -34,7 +34,14 @@ from gateway.core.errors import (
     UpstreamError,
 )
 from gateway.core.model import Target
-from gateway.core.wire import DIGEST_HEADER, EPOCH_HEADER, PREFIX_KEY_HEADER, REPLICA_HEADER, VERSION_HEADER
+from gateway.core.wire import (
+    DIGEST_HEADER,
+    EPOCH_HEADER,
+    PREFIX_KEY_HEADER,
+    PREFIX_MATCH_HEADER,
+    REPLICA_HEADER,
+    VERSION_HEADER,
+)
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import Metrics
 
@@ -153,9 +160,10 @@ def model_card(payload: bytes, served: str, logical: str) -> dict[str, object] |
     return {**card, "id": logical, "root": logical}
 
 
-def evidence(target: Target, replica_url: str) -> dict[str, str]:
-    """The response headers that say which effective model answered, and where."""
-    headers = {REPLICA_HEADER: replica_url}
+def evidence(target: Target, replica_url: str, prefix_source: str, matched_blocks: int) -> dict[str, str]:
+    """The response headers that say which effective model answered, where, and the prefix blocks the
+    routing decision matched there (with their source: ``precise`` KV events, ``predicted``, ``none``)."""
+    headers = {REPLICA_HEADER: replica_url, PREFIX_MATCH_HEADER: f"{prefix_source}:{matched_blocks}"}
     if target.version is not None:
         headers[VERSION_HEADER] = target.version.name
         headers[DIGEST_HEADER] = target.version.digest

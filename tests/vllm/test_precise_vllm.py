@@ -2,26 +2,36 @@
 (``--kv-events-config`` in the session fixture): events arrive and decode, kvgate's tokens equal the
 replica's ``/tokenize``, a second kvgate (a ``kvgate serve`` child process) routes a prompt warmed
 through the first to the replica that holds it, with a cache hit, v1's blocks never count for v2, and a
-replica restart empties its view (and it is learned again).
+replica restart empties its view (and it is learned again), an evicted prefix stops attracting requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 
-from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER, VERSION_HEADER
+from gateway.core.wire import (
+    ADMIN_TOKEN_HEADER,
+    PIN_HEADER,
+    PREFIX_MATCH_HEADER,
+    REPLICA_HEADER,
+    VERSION_HEADER,
+)
 from gateway.fleet.tokens import PromptTokens
 from gateway.proof.experiment import complete, long_prompt
+from gateway.serving import free_port
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from gateway.vllm_process import VllmProcess
+from gateway.vllm_process import VllmProcess, VllmReplicaSpec
 from tests.conftest import eventually
-from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
+from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kv_events_args, kvgate_json
 from tests.vllm.test_fleet_vllm import kvgate_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
@@ -188,6 +198,7 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
             through_b = await complete(http, b, "precise-b", text, max_tokens=1)
             assert through_b.evidence[REPLICA_HEADER] == replica.url, text[:40]
             assert through_b.cached_tokens >= 3 * BLOCK
+            assert through_b.evidence[PREFIX_MATCH_HEADER] == "precise:3"
         async with http.get(f"{b}/metrics", headers=admin) as response:
             exposition = await response.text()
         assert 'kvgate_prefix_matched_blocks_count{source="precise"} 4.0' in exposition
@@ -268,3 +279,56 @@ async def test_a_purge_kvgate_made_empties_the_view_at_once_and_stops_attracting
         after = await complete(http, gateway.url, "base", text, max_tokens=1)
         assert after.cached_tokens == 0  # the purge was real
         assert sample(metrics, "kvgate_prefix_matched_blocks_count", source="precise") == precise_before
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def small_replica(
+    fixture_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[VllmProcess]:
+    """A third real replica whose KV cache holds 16 blocks, so a few prompts evict a earlier one's."""
+    python = Path(os.environ["KVGATE_VLLM_PYTHON"])
+    log = tmp_path_factory.mktemp("vllm-small") / "small.log"
+    args = (*kv_events_args(), "--num-gpu-blocks-override", "16")
+    replica = VllmProcess(VllmReplicaSpec(python, fixture_dir / "model", free_port(), log, extra_args=args))
+    await replica.start()
+    try:
+        yield replica
+    finally:
+        await replica.stop()
+
+
+async def test_an_evicted_prefix_stops_attracting_requests(
+    make_gateway: GatewayFactory,
+    vllm_replicas: list[VllmProcess],
+    small_replica: VllmProcess,
+    http: aiohttp.ClientSession,
+    fixture_dir: Path,
+) -> None:
+    replicas = [small_replica.url, vllm_replicas[0].url]
+    text = prompt("evicted")
+    # the predicted index off (0 entries): only the replicas' events can attract a request
+    async with make_gateway(**precise(fixture_dir), replicas=replicas, prefix_index_entries=0) as gateway:
+        metrics = gateway.metrics
+        await asyncio.sleep(1.0)
+        await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(small_replica))
+        await eventually(
+            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=small_replica.url) >= 3, "learned"
+        )
+        attracted = await complete(http, gateway.url, "base", text, max_tokens=1)
+        assert attracted.evidence[REPLICA_HEADER] == small_replica.url
+        assert attracted.evidence[PREFIX_MATCH_HEADER] == "precise:3"
+        assert attracted.cached_tokens >= 3 * BLOCK
+        for i in range(8):  # 8 prompts of 4 blocks through a 16-block cache: the first prompt's are evicted
+            await complete(
+                http, gateway.url, "base", prompt(f"filler {i}"), max_tokens=1, headers=pin(small_replica)
+            )
+        await eventually(
+            lambda: (
+                sample(metrics, "kvgate_kv_events_total", replica=small_replica.url, kind="BlockRemoved") >= 3
+            ),
+            "the replica reported evictions",
+            within=20,
+        )
+        after = await complete(http, gateway.url, "base", text, max_tokens=1)
+        assert after.evidence[PREFIX_MATCH_HEADER] == "none:0"  # nothing attracts it any more...
+        assert after.cached_tokens == 0  # ...and nothing held it: the eviction was real
