@@ -32,7 +32,7 @@ from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, mismatch_report
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
-from gateway.fleet.kv_follower import follow_events, precise_parts
+from gateway.fleet.kv_follower import KvFollower, follow_events, followers_health, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
@@ -80,6 +80,7 @@ AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 
 
 def build_app(
@@ -150,6 +151,7 @@ def build_app(
             "draining": app[DRAIN].draining,
             **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
             "background": supervisor.health(),
+            "kv_events": followers_health(app.get(KV_FOLLOWERS, {}), app[PROXY].replica_names),
             "failing": failing,
         }
         ready = pool.healthy() and not app[DRAIN].draining and not failing
@@ -341,5 +343,5 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
 async def _kv_followers(app: web.Application) -> AsyncIterator[None]:
     precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
     followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
-    async with followers:
+    async with followers as app[KV_FOLLOWERS]:
         yield

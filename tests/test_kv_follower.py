@@ -219,14 +219,20 @@ async def test_a_replica_without_event_sources_is_retried_until_it_has_them() ->
         follower = KvFollower(replica, index, session, metrics, context)
         task = asyncio.create_task(follower.run())
         try:
+            await eventually(lambda: bool(follower.health().get("last_error")), "a failure on /healthz")
+            assert follower.health()["following"] is False
             assert await pub.poll(20_000), "the follower subscribed in the end"
             assert await pub.recv() == b"\x01kv"
             assert (
                 metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", {"replica": url})
                 == 2
             )
+            assert follower.health()["last_batch_s_ago"] is None  # nothing received yet
             await pub.send_multipart(captured("map_frames.json")[0])
             await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")
+            health = follower.health()
+            assert (health["following"], health["blocks"], "last_error" in health) == (True, 3, False)
+            assert isinstance(health["last_batch_s_ago"], float)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -124,6 +124,20 @@ class KvFollower:
         self.incarnation = replica.incarnation
         self.connected = False
         self.retry = RETRY_S
+        self.last_batch: float | None = None  # monotonic time of the last batch applied
+        self.last_error = ""
+
+    def health(self) -> dict[str, object]:
+        """For ``/healthz``: whether the stream is followed, how long since its last batch, the blocks its
+        view holds, and the last failure. Informational: a replica without a view is routed by the
+        predicted index, never by a stale view (the view is emptied when its stream is lost)."""
+        since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
+        return {
+            "following": self.connected,
+            "last_batch_s_ago": since,
+            "blocks": self.index.blocks(self.replica.url),
+            **({"last_error": self.last_error} if self.last_error else {}),
+        }
 
     def cleared(self, reason: str) -> None:
         """Empty this replica's view (it restarted, was purged, or events were lost)."""
@@ -138,6 +152,7 @@ class KvFollower:
             except Exception as exc:  # any failure of one replica's stream: counted, the loop goes on
                 raise_if_cancelling(exc)
                 log.warning("KV events of %s: %s (retrying in %.0f s)", self.replica.url, exc, self.retry)
+                self.last_error = f"{type(exc).__name__}: {exc}"[:200]
                 self.metrics.kv_event_errors.labels(self.replica.url).inc()
             if self.connected:
                 self.cleared("stream lost")
@@ -210,6 +225,7 @@ class KvFollower:
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
         self.expected = batch.seq + 1
         self.retry = RETRY_S
+        self.last_batch, self.last_error = time.monotonic(), ""
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Batches ``start`` .. ``stop - 1`` from the replay socket, applied in order; False when there is
@@ -251,6 +267,11 @@ class KvFollower:
             self._apply(batch)
         self.metrics.kv_event_replays.labels(url, "repaired").inc()
         return True
+
+
+def followers_health(followers: dict[str, KvFollower], names: dict[str, str]) -> dict[str, object]:
+    """Each follower's ``health()`` for ``/healthz``, under the replica's public name (``names``)."""
+    return {names[url]: follower.health() for url, follower in followers.items()}
 
 
 class PreciseSettings(Protocol):
