@@ -208,9 +208,12 @@ class SnapshotSync:
 
     async def heartbeat(self) -> None:
         """Compare the snapshot with the table's check; a new generation or a mismatch reads it in full."""
+        reads = sum(self.counts.full_reads.values())
         beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
         self.counts.heartbeats += 1
         async with self._reading:
+            if sum(self.counts.full_reads.values()) != reads:
+                return  # a full read ran while the beat was on its way: the snapshot is newer than the beat
             if not self.snapshot.position:
                 await self._full_read("start")
             elif beat.generation != self.snapshot.generation and not self.snapshot.generation:
