@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     scrub_page: int = Field(1_000, ge=1)
     """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
     every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
+    snapshot_file_interval: float = Field(10.0, ge=0)
+    """Seconds between writes of the snapshot file (data_dir/snapshot.msgpack, when it moved): a start
+    loads it and catches up from the change log instead of reading the whole table; 0: no file."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     background_failure_limit: float = Field(5.0, gt=0)
