@@ -189,25 +189,24 @@ class SnapshotSync:
         snapshot = self.snapshot
         snapshot.replace(TableView(saved.generation, saved.states, saved.malformed), saved.position)
         snapshot.refreshed_at, snapshot.flushed = 0.0, True  # not current until the log says so
-        applied = 0
         while entries := await self.log.read(snapshot.position, block_ms=None):
             if await self.log.trimmed_past(snapshot.position):
                 return self._set_aside(file, "trimmed", f"the log no longer reaches back to {saved.position}")
             for entry in entries:
                 self._apply(entry)
-            applied += len(entries)
         beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
         if beat.generation != snapshot.generation:
             return self._set_aside(file, "generation", f"the table became {beat.generation!r} meanwhile")
+        if entry_id(beat.last) < entry_id(snapshot.position):  # Redis restored from an older copy, say
+            return self._set_aside(file, "ahead", f"the log ends at {beat.last}, before the file's position")
         if self._disagrees(beat):
             return self._set_aside(file, "checksum", "caught up, its rows' checksum is not the table's")
         snapshot.flushed = False
         self._confirm(beat.last, time.monotonic())
         file.count("loaded")
         file.written = (saved.generation, saved.position)
-        age = time.time() - saved.written_at
-        log.info("started from the snapshot file %s (%d IDs at %s, written %.0f s ago), %d log entries on",
-                 file.path, snapshot.size(), saved.position, age, applied)  # fmt: skip
+        log.info("started from %s (%d IDs at %s, %.0f s old), caught up to %s", file.path, snapshot.size(),
+                 saved.position, time.time() - saved.written_at, snapshot.position)  # fmt: skip
         return True
 
     def _set_aside(self, file: SnapshotFile, outcome: str, reason: str) -> bool:

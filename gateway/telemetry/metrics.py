@@ -163,7 +163,8 @@ class Metrics:
             "kvgate_snapshot_file",
             "The local snapshot file: loaded (a start caught up from it), missing, written, write_failed, "
             "and why a start did not use it: corrupt (unreadable, truncated, damaged), foreign (another "
-            "format), generation (another table or Redis), trimmed (the log no longer reaches it), checksum",
+            "format), generation (another table or Redis), trimmed (the log no longer reaches it), ahead "
+            "(the log ends before it), checksum (caught up, the rows disagree with the table)",
             ["outcome"],
             registry=r,
         )
