@@ -155,9 +155,9 @@ def _valid(states: int = 2) -> bytes:
     return encode("g", "1-0", 0, rows, {})
 
 
-def _with_body(body: dict[str, Any]) -> bytes:
+def _with_body(body: Any) -> bytes:
     """BODY as a file with a correct digest (so only what it says can be wrong)."""
-    packed = msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
     return MAGIC + hashlib.blake2b(packed, digest_size=DIGEST_BYTES).digest() + packed
 
 
@@ -179,7 +179,7 @@ BAD_FILES: dict[str, tuple[Callable[[], bytes], str]] = {
         lambda: MAGIC + hashlib.blake2b(b"\xc1\xc1", digest_size=DIGEST_BYTES).digest() + b"\xc1\xc1",
         "corrupt",
     ),
-    "a list, not a map": (lambda: _with_body([1, 2]), "corrupt"),  # type: ignore[arg-type]
+    "a list, not a map": (lambda: _with_body([1, 2]), "corrupt"),
     "format 2": (lambda: _changed(format=2), "foreign"),
     "other fields": (lambda: _changed(fields=["logical_id", "digest"]), "foreign"),
     "no generation": (lambda: _changed(generation=""), "corrupt"),
