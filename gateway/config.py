@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     store: Path = Path(".kvgate/store")
     """Content-addressed adapter store; every replica must see it at the same path."""
     data_dir: Path = Path(".kvgate")
-    """Holds the embedded Redis (its data and socket)."""
+    """Holds the embedded Redis (its data and socket) and the snapshot file (snapshot_file_interval)."""
     redis_url: str | None = None
     """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
     ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (docs/redis.md)."""
