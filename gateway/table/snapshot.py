@@ -34,7 +34,7 @@ from gateway.table.changelog import START, Beat, ChangeLog, Entry, _text, entry_
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.hints import ReplicaHint, ReplicaHints
 from gateway.table.reseed import Reseeder
-from gateway.table.snapshot_file import SnapshotFile
+from gateway.table.snapshot_file import Saved, SnapshotFile
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -70,11 +70,12 @@ class Snapshot:
     def size(self) -> int:
         return len(self._states)
 
-    def clear(self) -> None:
-        """Back to nothing read (a snapshot file set aside after loading it): no ID, no generation."""
-        self._states.clear()
-        self.generation, self.position, self.checksum, self.refreshed_at = "", "", 0, 0.0
-        self.malformed, self.flushed = {}, True
+    def restore(self, saved: Saved | None) -> None:
+        """Into an empty snapshot, a snapshot file's content (its checksum as the file says, its digest
+        vouching for it), not yet current; None: empty again (the file set aside), nothing read."""
+        at = (saved.generation, saved.position, saved.checksum) if saved else ("", "", 0)
+        self._states, self.malformed = (saved.states, saved.malformed) if saved else ({}, {})
+        (self.generation, self.position, self.checksum), self.refreshed_at, self.flushed = at, 0.0, True
 
     def replace(self, view: TableView, position: str = START) -> None:
         new_table = bool(self.generation) and view.generation != self.generation
@@ -187,8 +188,7 @@ class SnapshotSync:
             file.reject("generation", f"the file's table is {saved.generation}, Redis holds {generation!r}")
             return False
         snapshot = self.snapshot
-        snapshot.replace(TableView(saved.generation, saved.states, saved.malformed), saved.position)
-        snapshot.refreshed_at, snapshot.flushed = 0.0, True  # not current until the log says so
+        snapshot.restore(saved)  # not current until Redis says so
         while entries := await self.log.read(snapshot.position, block_ms=None):
             if await self.log.trimmed_past(snapshot.position):
                 return self._set_aside(file, "trimmed", f"the log no longer reaches back to {saved.position}")
@@ -211,7 +211,7 @@ class SnapshotSync:
 
     def _set_aside(self, file: SnapshotFile, outcome: str, reason: str) -> bool:
         file.reject(outcome, reason)
-        self.snapshot.clear()
+        self.snapshot.restore(None)
         self._beat = None
         return False
 

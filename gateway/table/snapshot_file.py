@@ -18,16 +18,18 @@ of two writers the last rename wins, and either file is valid at the position it
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,15 +89,18 @@ def decode(data: bytes) -> Saved:
     digest, body = data[len(MAGIC) : head], data[head:]
     if len(digest) < DIGEST_BYTES or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
         raise Rejected("corrupt", "its digest does not match its content (truncated or damaged)")
-    try:
-        doc = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-        raise Rejected("corrupt", f"it is not msgpack: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise Rejected("corrupt", "its body is not a map")
-    if doc.get("format") != FORMAT or doc.get("fields") != list(FIELDS):
-        raise Rejected("foreign", f"format {doc.get('format')!r}, fields {doc.get('fields')!r}: not {FORMAT}")
-    return _saved(doc)
+    with gc_paused():
+        try:
+            doc = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+            raise Rejected("corrupt", f"it is not msgpack: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise Rejected("corrupt", "its body is not a map")
+        if doc.get("format") != FORMAT or doc.get("fields") != list(FIELDS):
+            raise Rejected(
+                "foreign", f"format {doc.get('format')!r}, fields {doc.get('fields')!r}: not {FORMAT}"
+            )
+        return _saved(doc)
 
 
 def _saved(doc: dict[str, Any]) -> Saved:
@@ -113,10 +118,11 @@ def _saved(doc: dict[str, Any]) -> Saved:
         raise Rejected("corrupt", "its columns are not one list per field")
     if len({len(column) for column in columns}) > 1:
         raise Rejected("corrupt", "its columns differ in length")
-    for name, column in zip(FIELDS, columns, strict=True):
-        wanted = int if name == "epoch" else str
-        if not all(type(value) is wanted for value in column):
-            raise Rejected("corrupt", f"its {name} column holds something that is not a {wanted.__name__}")
+    for name, column in zip(FIELDS, columns, strict=True):  # checked at C speed: a join, an int64 array
+        try:
+            array.array("q", column) if name == "epoch" else "".join(column)
+        except (TypeError, OverflowError):
+            raise Rejected("corrupt", f"its {name} column holds something of another type") from None
     if not isinstance(malformed, dict) or not all(type(v) is str for v in [*malformed, *malformed.values()]):
         raise Rejected("corrupt", "its malformed rows are not a map of text")
     states = dict(zip(columns[0], map(VersionState, *columns), strict=True))
@@ -128,6 +134,19 @@ def _saved(doc: dict[str, Any]) -> Saved:
 def snapshot_file(data_dir: Path, interval: float, metrics: Metrics) -> SnapshotFile | None:
     """The file ``serve`` keeps in DATA_DIR, written every INTERVAL seconds (0: none)."""
     return SnapshotFile(data_dir / FILE_NAME, interval=interval, metrics=metrics) if interval else None
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile: a start's million new objects (none of them in a cycle)
+    would otherwise set off collections that each walk every object so far, about half the load's CPU."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class SnapshotFile:
