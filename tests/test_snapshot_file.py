@@ -22,6 +22,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.model import VersionState
+from gateway.table.changelog import row_hash
 from gateway.table.epoch_table import EpochTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.table.snapshot_file import DIGEST_BYTES, FILE_NAME, MAGIC, Rejected, SnapshotFile, decode, encode
@@ -215,7 +216,10 @@ async def test_a_good_file_of_this_table_from_someone_else_is_caught_by_the_chec
     await publish(table, D1)
     path = tmp_path / FILE_NAME
     wrong = VersionState("tenant-42", D2, f"tenant-42@{D2[:16]}", f"/store/{D2}", BASE, 1)
-    path.write_bytes(encode(await table.ensure_generation(), await _head(table), 0, [wrong], {}))
+    generation, head = await table.ensure_generation(), await _head(table)
+    path.write_bytes(
+        encode(generation, head, row_hash(wrong), [wrong], {})
+    )  # a consistent file, not this table's
     metrics = Metrics()
     async with kvgate(table, path, metrics) as sync:
         assert file_count(metrics, "checksum") == 1
