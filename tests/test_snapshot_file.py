@@ -281,3 +281,20 @@ async def test_a_write_that_fails_is_counted_and_the_sync_runs_on(
         await eventually(lambda: file_count(metrics, "write_failed") >= 2, "two failed writes, counted")
         await publish(table, D2)
         await eventually(lambda: _digest(sync, "tenant-42") == D2, "the sync runs on")
+
+
+async def test_a_file_ahead_of_the_log_costs_a_full_read(
+    redis: Redis, table: EpochTable, tmp_path: Path
+) -> None:
+    """A position past the log's newest entry (a Redis restored from an older copy, same generation):
+    the changes after the copy are unknown to the table, so the file is not trusted."""
+    await publish(table, D1)
+    path = tmp_path / FILE_NAME
+    held = VersionState("tenant-42", D2, f"tenant-42@{D2[:16]}", f"/store/{D2}", BASE, 2)  # a later publish
+    future = f"{2**62}-0"
+    path.write_bytes(encode(await table.ensure_generation(), future, row_hash(held), [held], {}))
+    metrics = Metrics()
+    async with kvgate(table, path, metrics) as sync:
+        assert file_count(metrics, "ahead") == 1
+        assert dict(sync.counts.full_reads) == {"start": 1}
+        assert _digest(sync, "tenant-42") == D1
