@@ -43,6 +43,7 @@ class Cold:
     kvgates: int
     inside_s: list[float] = field(default_factory=list)  # SnapshotSync.reconcile, in the process
     spawn_s: list[float] = field(default_factory=list)  # spawning the process to its ready line
+    cpu_s: list[float] = field(default_factory=list)  # CPU the cold start took in its process
     entries: list[int] = field(default_factory=list)  # change-log entries each start applied
     full_reads: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)  # the file's, summed over the starts
@@ -109,6 +110,7 @@ async def run(url: str, redis: Redis, args: Any, directory: Path, digest: Any) -
                 for answer in await start_at_once(url, n, path if mode == "file + log" else None):
                     cold.inside_s += answer["cold_start_s"]
                     cold.spawn_s.append(answer["spawn_s"])
+                    cold.cpu_s.append(answer["cpu_s"])
                     for start in answer["starts"]:
                         assert start["checksum"] == checksum, (
                             f"{mode}: a start holds other rows than the table"
@@ -139,14 +141,15 @@ def table(figures: dict[str, Any], ids: int, rounds: int) -> str:
         f"is {figures['behind']} change-log entries behind the table (publishes of new IDs and rollbacks), "
         "so each start from it applies them from the log. Medians over every process of every round.",
         "",
-        "| start | kvgates at once | IDs | cold start s (median) | (slowest) | process spawn to ready s "
-        "(median) | log entries applied | full reads | file |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| start | kvgates at once | IDs | cold start s (median) | (slowest) | its CPU s (median) | process "
+        "spawn to ready s (median) | log entries applied | full reads | file |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cold in figures["results"]:
         lines.append(
             f"| {cold.mode} | {cold.kvgates} | {ids:,} | {statistics.median(cold.inside_s):.2f} | "
-            f"{max(cold.inside_s):.2f} | {statistics.median(cold.spawn_s):.2f} | "
+            f"{max(cold.inside_s):.2f} | {statistics.median(cold.cpu_s):.2f} | "
+            f"{statistics.median(cold.spawn_s):.2f} | "
             f"{statistics.median(cold.entries):.0f} | {cold.full_reads or '{}'} | {cold.outcomes or '{}'} |"
         )
     return "\n".join(lines)
