@@ -36,6 +36,7 @@ from typing import Any
 
 import msgpack
 
+from gateway.core.errors import EpochTableError
 from gateway.core.model import VersionState
 from gateway.telemetry.metrics import Metrics
 
@@ -49,11 +50,12 @@ FIELDS = tuple(f.name for f in dataclasses.fields(VersionState))
 Malformed = dict[str, str]  # logical ID -> why its state row could not be read
 
 
-class Rejected(Exception):
-    """The file cannot be used; ``outcome`` is the metric's label (corrupt, foreign, generation, ...)."""
+class Rejected(EpochTableError):
+    """The file cannot be used; ``outcome`` is the metric's label (corrupt, foreign, generation, ...).
+    Never raised past ``SnapshotFile.load``: counted, logged, and the start reads the table in full."""
 
     def __init__(self, outcome: str, reason: str) -> None:
-        super().__init__(reason)
+        super().__init__(f"snapshot file: {reason}")
         self.outcome = outcome
         self.reason = reason
 
