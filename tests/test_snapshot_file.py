@@ -22,6 +22,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.model import VersionState
+from gateway.table import keys
 from gateway.table.changelog import row_hash
 from gateway.table.epoch_table import EpochTable
 from gateway.table.snapshot import Snapshot, SnapshotSync
@@ -137,7 +138,7 @@ async def test_a_position_trimmed_off_the_log_costs_a_full_read(redis: Redis, tm
         await written_at_head(first, redis)
     for _ in range(400):
         await short.bump("tenant-42")
-    assert int((await redis.xinfo_stream("kvg:{epochs}:log"))["length"]) < 400, "the log was trimmed"
+    assert int((await redis.xinfo_stream(keys.LOG))["length"]) < 400, "the log was trimmed"
     metrics = Metrics()
     async with kvgate(short, path, metrics) as second:
         assert file_count(metrics, "trimmed") == 1
@@ -228,7 +229,7 @@ async def test_a_good_file_of_this_table_from_someone_else_is_caught_by_the_chec
 
 
 async def _head(table: EpochTable) -> str:
-    last = await table.redis.hget("kvg:{epochs}:check", "last")
+    last = await table.redis.hget(keys.CHECK, "last")
     assert last is not None
     return last.decode() if isinstance(last, bytes) else str(last)
 
@@ -298,3 +299,29 @@ async def test_a_file_ahead_of_the_log_costs_a_full_read(
         assert file_count(metrics, "ahead") == 1
         assert dict(sync.counts.full_reads) == {"start": 1}
         assert _digest(sync, "tenant-42") == D1
+
+
+async def test_rows_that_are_not_utf8_go_through_the_file_as_the_bytes_redis_held(
+    redis: Redis, table: EpochTable, tmp_path: Path
+) -> None:
+    """A logical ID that is not UTF-8 (written past the scripts) is kept as surrogates; the file keeps
+    it too (a write that failed on it stopped the sync). Its row is in the table's checksum and in no
+    snapshot, so a start from the file sets it aside (checksum) and reads in full, as a running kvgate
+    does once."""
+    await publish(table, D1)
+    odd = b"tenant-\xff\xfe"
+    await redis.sadd(keys.IDS, odd)
+    await redis.hset(keys.STATE_PREFIX.encode() + odd, mapping={"digest": D2, "epoch": "NaN"})
+    path = tmp_path / FILE_NAME
+    first_metrics = Metrics()
+    async with kvgate(table, path, first_metrics) as first:
+        await written_at_head(first, redis)
+        malformed = dict(first.snapshot.malformed)
+        assert list(malformed) == [odd.decode(errors="surrogateescape")]
+    assert file_count(first_metrics, "write_failed") == 0
+    assert decode(path.read_bytes()).malformed == malformed, "the bytes Redis held, through the file"
+    metrics = Metrics()
+    async with kvgate(table, path, metrics) as second:
+        assert file_count(metrics, "checksum") == 1
+        assert second.snapshot.malformed == malformed
+        assert dict(second.counts.full_reads) == {"start": 1}

@@ -78,7 +78,7 @@ def encode(
     body: bytes = msgpack.packb(
         {"format": FORMAT, "generation": generation, "position": position, "checksum": checksum,
          "written_at": time.time(), "fields": list(FIELDS), "columns": columns, "malformed": malformed},
-        use_bin_type=True,
+        use_bin_type=True, unicode_errors="surrogateescape",  # text read from Redis that was not UTF-8
     )  # fmt: skip
     return MAGIC + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() + body
 
@@ -93,7 +93,7 @@ def decode(data: bytes) -> Saved:
         raise Rejected("corrupt", "its digest does not match its content (truncated or damaged)")
     with gc_paused():
         try:
-            doc = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+            doc = msgpack.unpackb(body, raw=False, unicode_errors="surrogateescape", strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types for bad bytes
             raise Rejected("corrupt", f"it is not msgpack: {exc}") from exc
         if not isinstance(doc, dict):
@@ -193,9 +193,14 @@ class SnapshotFile:
         data = functools.partial(encode, generation, position, checksum, states, malformed)
         try:
             await asyncio.to_thread(lambda: self.write(data()))
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:  # a full disk; a row msgpack cannot encode (a bug)
             self.count("write_failed")
-            log.error("could not write the snapshot file %s: %s", self.path, exc)
+            log.error(
+                "could not write the snapshot file %s: %s",
+                self.path,
+                exc,
+                exc_info=not isinstance(exc, OSError),
+            )
             return
         self.written = (generation, position)
         self.count("written")
