@@ -54,6 +54,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.table.snapshot_file import snapshot_file
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -278,6 +279,7 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
         on_replica_hint=app[POOL].refresh_hinted,
         scrub_page=app[SETTINGS].scrub_page,
         metrics=app[METRICS],
+        file=snapshot_file(app[SETTINGS].data_dir, app[SETTINGS].snapshot_file_interval, app[METRICS]),
     )
     await sync.reconcile()
     async with app[SUPERVISOR].run("snapshot-sync", sync.run, period=app[SETTINGS].reconcile_interval):
