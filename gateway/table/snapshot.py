@@ -1,8 +1,8 @@
 """Each kvgate's local copy of the epoch table: the hot path reads this, never Redis.
 
 ``SnapshotSync`` keeps it fresh from the change log (changelog.py): one full read at start (paged),
-then it follows ``kvg:{epochs}:log`` with ``XREAD BLOCK`` from the last entry it applied, so its work
-grows with the changes, not with the table. A heartbeat every ``interval`` runs lua/heartbeat.lua: a new
+then it follows ``kvg:{epochs}:log`` with ``XREAD BLOCK`` from the last entry it applied (work grows
+with the changes, not with the table). A heartbeat every ``interval`` runs lua/heartbeat.lua: a new
 generation (Redis came back empty) or a checksum that disagrees with the snapshot, once it has read the
 log up to the newest entry, triggers a full read; so does a position that fell off the trimmed log.
 Writes that bypass the scripts reach it as 'drift' entries the shared scrub logs. When the Redis
@@ -167,8 +167,7 @@ class SnapshotSync:
         self.metrics = metrics
         self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
         self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
-        self._beat: tuple[str, float] | None = None  # (newest entry, monotonic time) of a heartbeat the
-        # follower had not caught up with: once it applies that entry, the snapshot was current then
+        self._beat: tuple[str, float] | None = None  # (newest entry, monotonic time) of a beat not caught up
 
     async def reconcile(self, reason: str = "start") -> None:
         """A full read (paged), then follow the log from the newest entry before it; at the start, the
@@ -271,12 +270,11 @@ class SnapshotSync:
 
     async def heartbeat(self) -> None:
         """Compare the snapshot with the table's check; a new generation or a mismatch reads it in full."""
-        reads = sum(self.counts.full_reads.values())
-        beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
+        reads, beat = self.counts.full_reads.total(), await self.log.heartbeat(int(self.interval * 1000))
         self.counts.heartbeats += 1
         async with self._reading:
-            if sum(self.counts.full_reads.values()) != reads:
-                return  # a full read ran while the beat was on its way: the snapshot is newer than the beat
+            if self.counts.full_reads.total() != reads:  # one ran while the beat was on its way: it is newer
+                return
             if not self.snapshot.position:
                 await self._full_read("start")
             elif beat.generation != self.snapshot.generation and not self.snapshot.generation:
