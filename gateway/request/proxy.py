@@ -15,13 +15,14 @@ caller's ``Authorization`` (kvgate's credential) never goes on to a replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
 from gateway.core.errors import (
     BackendUnreachable,
@@ -31,7 +32,7 @@ from gateway.core.errors import (
 )
 from gateway.core.identity import is_logical_id
 from gateway.core.model import Target
-from gateway.core.prefix import block_keys
+from gateway.core.prefix import BLOCK_CHARS, PREFIX_CHARS, block_keys
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.core.wire import (
     AUTHORIZATION_HEADER,
@@ -105,11 +106,17 @@ class Proxy:
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
         self.intake = Intake(admin, pool.replicas, options.max_body_bytes)
+        self.choosing = len(pool.replicas) > 1
+        """More than one replica could serve a request: only then do prefix keys and tokens decide
+        anything. With one, a request is keyed by its first block only (the ``x-kvgate-prefix-key``
+        evidence the audit records) and never tokenized."""
+        self.prefix_chars = PREFIX_CHARS if self.choosing else BLOCK_CHARS
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.monotonic()
         label, outcome = UNKNOWN, "error"
-        with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
+        spanning = self._span() if self.tracing else contextlib.nullcontext(INVALID_SPAN)
+        with spanning as span:
             try:
                 caller = self.auth.caller(request)
                 parsed = await self.intake.parse(request, route, caller)
@@ -130,8 +137,11 @@ class Proxy:
                 outcome = ClientClosed.type
                 raise
             finally:
-                self.metrics.requests.labels(label, outcome).inc()
+                self.metrics.child(self.metrics.requests, label, outcome).inc()
                 self.metrics.latency.observe(time.monotonic() - started)
+
+    def _span(self) -> contextlib.AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER)
 
     async def schedule_and_forward(
         self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
@@ -149,8 +159,9 @@ class Proxy:
         while True:
             decision, reservation = await self.schedule(target, pin)
             _describe_decision(span, decision, target)
-            self.metrics.routing.labels(decision.reason).inc()
-            self.metrics.prefix_matched_blocks.labels(decision.prefix_source).observe(decision.matched_blocks)
+            self.metrics.child(self.metrics.routing, decision.reason).inc()
+            matched = self.metrics.child(self.metrics.prefix_matched_blocks, decision.prefix_source)
+            matched.observe(decision.matched_blocks)
             try:
                 return await self.forward(request, parsed, target, reservation, span, started)
             except VersionForgotten:
@@ -158,13 +169,13 @@ class Proxy:
                 if forgotten:
                     raise
                 forgotten = True
-                self.metrics.routing.labels("reload").inc()
+                self.metrics.child(self.metrics.routing, "reload").inc()
             except BackendUnreachable:
                 decision.replica.healthy = False
                 attempts -= 1
                 if pin is not None or attempts == 0:
                     raise
-                self.metrics.routing.labels("retry").inc()
+                self.metrics.child(self.metrics.routing, "retry").inc()
             finally:
                 reservation.release()
 
@@ -196,14 +207,14 @@ class Proxy:
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [], expected)
         salt = cache_salt(self.snapshot.generation, version)
-        keys = block_keys(salt, parsed.prompt)
+        keys = block_keys(salt, parsed.prompt(self.prefix_chars))
         return Target(parsed.model, version.base, version, salt, keys, expected, self.tokens(parsed))
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate has the tokenizer and follows
         KV events (``request.tokens``); () otherwise, or when the request is not one it can reproduce."""
         tokenizer = self.options.tokens
-        if tokenizer is None or self.scheduler.precise is None:
+        if tokenizer is None or self.scheduler.precise is None or not self.choosing:
             return ()
         if parsed.route.path == COMPLETIONS:
             return tokenizer.completion(parsed.body) or ()

@@ -59,9 +59,9 @@ class Usage:
         cached = _CACHED_TOKENS.search(data)
         prompt = _PROMPT_TOKENS.search(data)
         if prompt is not None:
-            self.metrics.prompt_tokens.labels(self.label).inc(int(prompt.group(1)))
+            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(int(prompt.group(1)))
         if cached is not None:
-            self.metrics.cached_tokens.labels(self.label).inc(int(cached.group(1)))
+            self.metrics.child(self.metrics.cached_tokens, self.label).inc(int(cached.group(1)))
             self.span.set_attribute(attr.CACHED_TOKENS, int(cached.group(1)))
 
 
