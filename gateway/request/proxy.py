@@ -53,6 +53,7 @@ from gateway.request.auth import Auth, not_found
 from gateway.request.intake import Intake, ParsedRequest, upstream_body
 from gateway.request.placement import Placement
 from gateway.request.routes import Route
+from gateway.request.upstream import Upstream
 from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry import tracing as attr
@@ -69,6 +70,8 @@ class ProxyOptions:
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
     tokens: PromptTokens | None = None  # the base model's tokenizer: precise prefix keys (KV events)
+    connect_timeout: float = 5.0  # the forward's client (``upstream``): TCP connect
+    read_timeout: float = 600.0  # and between received bytes
 
 
 class Proxy:
@@ -106,6 +109,7 @@ class Proxy:
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
         self.intake = Intake(admin, pool.replicas, options.max_body_bytes)
+        self.upstream = Upstream(options.connect_timeout, options.read_timeout)  # the forward's client
         self.choosing = len(pool.replicas) > 1
         """More than one replica could serve a request: only then do prefix keys and tokens decide
         anything. With one, a request is keyed by its first block only (the ``x-kvgate-prefix-key``
@@ -251,35 +255,51 @@ class Proxy:
         rewrite = _rewrite(route, name, target.logical_id)
         usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
         evidence = relay.evidence(target, self.replica_names[replica.url])
-        path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
-        response: web.StreamResponse
-        with relay.upstream_errors(self.replica_names[replica.url]):
+        path = "/v1/models" if route.kind == "model-card" else request.path_qs
+        there = self.replica_names[replica.url]
+        with relay.upstream_errors(there):
             # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
-            async with (
-                replica.connection(),
-                self.pool.session.request(
-                    route.method, replica.url + path, data=body, headers=headers
-                ) as upstream,
-            ):
-                self.metrics.ttfb.observe(time.monotonic() - started)
-                if rewrite is not None and await rewrite.forgotten(upstream):
-                    raise VersionForgotten(
-                        f"replica {self.replica_names[replica.url]} does not have {target.logical_id!r}'s "
-                        "version loaded (it restarted, or it was unloaded there); retry"
-                    )
-                if route.kind == "model-card":
-                    response = await relay.relay_card(
-                        upstream, name or parsed.model, target, evidence, self.replica_names[replica.url]
-                    )
-                elif parsed.stream and upstream.content_type == "text/event-stream":
-                    response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
-                else:
-                    response = await relay.relay_body(
-                        upstream, rewrite, usage, evidence, self.replica_names[replica.url]
-                    )
+            async with replica.connection():
+                if (body is None or isinstance(body, bytes)) and self.upstream.serves(replica.url):
+                    answer = await self.upstream.request(route.method, replica.url, path, body, headers)
+                    try:
+                        response = await self._relay(request, parsed, target, answer, rewrite, usage,
+                                                     evidence, there, started)  # fmt: skip
+                    finally:
+                        answer.release()
+                else:  # a multipart or very large body, or a replica this client cannot reach: aiohttp's
+                    url = replica.url + path
+                    async with self.pool.session.request(route.method, url, data=body, headers=headers) as up:
+                        response = await self._relay(request, parsed, target, relay.AiohttpAnswer(up),
+                                                     rewrite, usage, evidence, there, started)  # fmt: skip
         if response.status == 200:
             self.scheduler.served(target, replica)
         return response
+
+    async def _relay(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        target: Target,
+        upstream: relay.Answer,
+        rewrite: relay.Rewrite | None,
+        usage: relay.Usage,
+        evidence: dict[str, str],
+        there: str,
+        started: float,
+    ) -> web.StreamResponse:
+        self.metrics.ttfb.observe(time.monotonic() - started)
+        if rewrite is not None and await rewrite.forgotten(upstream):
+            raise VersionForgotten(
+                f"replica {there} does not have {target.logical_id!r}'s "
+                "version loaded (it restarted, or it was unloaded there); retry"
+            )
+        if parsed.route.kind == "model-card":
+            name = target.version.name if target.version is not None else None
+            return await relay.relay_card(upstream, name or parsed.model, target, evidence, there)
+        if parsed.stream and upstream.content_type == "text/event-stream":
+            return await relay.relay_stream(request, upstream, rewrite, usage, evidence, there)
+        return await relay.relay_body(upstream, rewrite, usage, evidence, there)
 
 
 def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite | None:

@@ -1,0 +1,84 @@
+"""``request.upstream``: the forward's httptools client against the stub replica (a real aiohttp server):
+kept-alive reuse, chunked SSE as received chunks, the between-bytes timeout, an abort, an unreachable
+replica, each as aiohttp's exception classes (``relay.upstream_errors`` maps them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.request.upstream import Upstream
+from gateway.serving import free_port, running
+from tests.stub_backend import StubState, build_stub
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+def body(stream: bool, tokens: int = 3) -> bytes:
+    return orjson.dumps({"model": "base", "prompt": "p", "max_tokens": tokens, "stream": stream})
+
+
+async def test_answers_reuse_one_kept_alive_connection_and_streams_arrive_as_chunks() -> None:
+    state = StubState(chunks=4)
+    upstream = Upstream(connect_timeout=5, read_timeout=10)
+    async with running(build_stub(state)) as stub:
+        first = await upstream.request("POST", stub, "/v1/completions", body(False), HEADERS)
+        assert (first.status, first.content_type) == (200, "application/json")
+        doc = orjson.loads(await first.read())
+        assert doc["model"] == "base"
+        assert orjson.loads(await first.read()) == doc, "a second read gives the body again"
+        connection = first.transport
+        first.release()
+        second = await upstream.request("POST", stub, "/v1/completions", body(True), HEADERS)
+        assert second.transport is connection, "the kept-alive connection is reused"
+        assert second.content_type == "text/event-stream"
+        data = b"".join([chunk async for chunk in second.chunks()])
+        assert data.count(b"data: ") == 5 and data.endswith(b"data: [DONE]\n\n")
+        second.release()
+        missing = await upstream.request("GET", stub, "/v1/nothing-here", None, {})
+        assert missing.status == 404
+        await missing.read()
+        missing.release()
+    upstream.close()
+
+
+async def test_silence_longer_than_the_read_timeout_is_a_timeout_and_the_connection_is_dropped() -> None:
+    state = StubState(chunks=3, chunk_delay=0.5)
+    upstream = Upstream(connect_timeout=5, read_timeout=0.2)
+    async with running(build_stub(state)) as stub:
+        answer = await upstream.request("POST", stub, "/v1/completions", body(True), HEADERS)
+        with pytest.raises(TimeoutError):
+            async for _ in answer.chunks():
+                pass
+        answer.release()
+        assert not upstream.idle.get(stub), "a timed-out connection is never reused"
+        await asyncio.sleep(0.1)
+        assert state.cancelled == 1, "the replica saw the connection close and stopped"
+
+
+async def test_an_abort_closes_the_connection_and_the_replica_stops() -> None:
+    state = StubState(chunks=50, chunk_delay=0.02)
+    upstream = Upstream(connect_timeout=5, read_timeout=10)
+    async with running(build_stub(state)) as stub:
+        answer = await upstream.request("POST", stub, "/v1/completions", body(True, 50), HEADERS)
+        async for _ in answer.chunks():
+            break
+        answer.close()
+        answer.release()
+        for _ in range(50):
+            if state.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert state.cancelled == 1
+        assert not upstream.idle.get(stub)
+
+
+async def test_an_unreachable_replica_is_a_client_connection_error() -> None:
+    upstream = Upstream(connect_timeout=2, read_timeout=10)
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await upstream.request("POST", f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", HEADERS)
+    assert Upstream.serves("http://127.0.0.1:8000") and Upstream.serves("http://[::1]:8000")
+    assert not Upstream.serves("https://replica:8000") and not Upstream.serves("http://replica:8000/prefix")
