@@ -36,7 +36,8 @@ async def test_answers_reuse_one_kept_alive_connection_and_streams_arrive_as_chu
         assert second.transport is connection, "the kept-alive connection is reused"
         assert second.content_type == "text/event-stream"
         data = b"".join([chunk async for chunk in second.chunks()])
-        assert data.count(b"data: ") == 5 and data.endswith(b"data: [DONE]\n\n")
+        assert data.count(b"data: ") == 5
+        assert data.endswith(b"data: [DONE]\n\n")
         second.release()
         missing = await upstream.request("GET", stub, "/v1/nothing-here", None, {})
         assert missing.status == 404
@@ -80,5 +81,7 @@ async def test_an_unreachable_replica_is_a_client_connection_error() -> None:
     upstream = Upstream(connect_timeout=2, read_timeout=10)
     with pytest.raises(aiohttp.ClientConnectionError):
         await upstream.request("POST", f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", HEADERS)
-    assert Upstream.serves("http://127.0.0.1:8000") and Upstream.serves("http://[::1]:8000")
-    assert not Upstream.serves("https://replica:8000") and not Upstream.serves("http://replica:8000/prefix")
+    assert Upstream.serves("http://127.0.0.1:8000")
+    assert Upstream.serves("http://[::1]:8000")
+    assert not Upstream.serves("https://replica:8000")
+    assert not Upstream.serves("http://replica:8000/prefix")
