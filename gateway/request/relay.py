@@ -306,24 +306,26 @@ class _ClientWriter:
         self.request, self.response, self.upstream = request, response, upstream
 
     async def prepare(self) -> None:
-        with self._client_side():
+        try:
             await self.response.prepare(self.request)
+        except ConnectionError as exc:
+            raise self._left() from exc
 
     async def write(self, data: bytes) -> None:
-        with self._client_side():
+        try:  # per chunk: a try costs nothing, a context manager did
             await self.response.write(data)
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+            raise self._left() from exc
 
     async def write_eof(self) -> None:
-        with self._client_side():
-            await self.response.write_eof()
-
-    @contextlib.contextmanager
-    def _client_side(self) -> Iterator[None]:
         try:
-            yield
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
-            self.upstream.close()
-            raise ClientClosed("the client closed its connection mid-stream") from exc
+            await self.response.write_eof()
+        except ConnectionError as exc:
+            raise self._left() from exc
+
+    def _left(self) -> ClientClosed:
+        self.upstream.close()
+        return ClientClosed("the client closed its connection mid-stream")
 
 
 def transform(data: bytes, rewrite: Rewrite | None, usage: Usage) -> bytes:

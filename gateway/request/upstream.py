@@ -103,12 +103,12 @@ class Answer(asyncio.Protocol):
         return self.body
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as its chunks arrive (decoded from chunked transfer coding)."""
+        """The body as it arrives (decoded from chunked transfer coding): each time, all that has
+        arrived since the last time, in one piece (nothing waits for more)."""
         while True:
             if self.pending:
                 ready, self.pending = self.pending, []
-                for chunk in ready:
-                    yield chunk
+                yield ready[0] if len(ready) == 1 else b"".join(ready)
             elif self.complete:
                 return
             else:
