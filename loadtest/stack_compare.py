@@ -7,9 +7,10 @@ concurrency 1 and 64, every target in every round one after the other, medians o
 vllm-router taken within each round. The minimal proxies do only what every kvgate request must (read,
 parse, rewrite ``model`` both ways on bytes, forward, relay): their CPU is the floor a stack sets.
 
-Run from the repository root (granian and httptools are installed by ``make loadtest-stacks``)::
+Run from the repository root (``make loadtest-stacks`` installs granian; httptools is kvgate's)::
 
-    .venv/bin/python -m loadtest.stack_compare [--rounds 2] [--seconds 3] [--out docs/perf.md]
+    .venv/bin/python -m loadtest.stack_compare [--rounds 2] [--seconds 3] [--out docs/perf.md] \\
+        [--before DIR --before-label 'before (REV)']
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ LABELS = {
     "vllm-router": "vllm-router (Rust, `round_robin`)",
 }
 CONCURRENCY = (1, 64)
+
+
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli import main; sys.exit(main())"
+
+
+def start_before(fleet: Fleet, workdir: Path, source: Path, stub_url: str) -> Target:
+    """``kvgate serve`` from the tree in ``source`` (``loadtest.edge``'s way), its version published."""
+    workdir.mkdir()
+    publish(workdir)
+    port = free_port()
+    fleet.callback(stop_leftover_redis, workdir)  # runs after this kvgate has stopped
+    child = fleet.start("kvgate-before", [sys.executable, "-c", BOOT, str(source), "serve",
+                                          "--replica", stub_url, "--data-dir", str(workdir / "kvgate"),
+                                          "--store", str(workdir / "store"),
+                                          "--port", str(port)])  # fmt: skip
+    wait_ready(child, f"http://127.0.0.1:{port}/healthz")
+    return Target("kvgate-before", f"http://127.0.0.1:{port}", LOGICAL_ID, LOGICAL_ID, child)
 
 
 def start_stack(fleet: Fleet, stack: str, upstream: str, versioned: str) -> tuple[Target, str]:
@@ -139,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=3)
     parser.add_argument("--stacks", nargs="*", default=list(STACKS), choices=STACKS)
     parser.add_argument("--vllm-router", type=Path, default=Path(".venv-router/bin/vllm-router"))
+    parser.add_argument("--before", type=Path, metavar="DIR", help="also measure kvgate from the tree in DIR")
+    parser.add_argument("--before-label", default="before", help="its row's name")
     parser.add_argument("--out", default="-", help="markdown doc to write the block into ('-': print only)")
     args = parser.parse_args(argv)
     generated_docs.started_tree()
@@ -164,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "--port", str(kv_port)])  # fmt: skip
         wait_ready(kvgate, f"http://127.0.0.1:{kv_port}/healthz")
         targets = [Target("kvgate", f"http://127.0.0.1:{kv_port}", LOGICAL_ID, LOGICAL_ID, kvgate)]
+        if args.before is not None:  # kvgate from another source tree, on its own data dir and version
+            LABELS["kvgate-before"] = f"kvgate, {args.before_label}"
+            targets.append(start_before(fleet, workdir / "before", args.before.resolve(), stub_url))
         targets += [start_stack(fleet, stack, stub_url, versioned)[0] for stack in args.stacks]
         router_binary = ROOT / args.vllm_router
         if router_binary.is_file():
