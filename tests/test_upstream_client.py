@@ -85,3 +85,20 @@ async def test_an_unreachable_replica_is_a_client_connection_error() -> None:
     assert Upstream.serves("http://[::1]:8000")
     assert not Upstream.serves("https://replica:8000")
     assert not Upstream.serves("http://replica:8000/prefix")
+
+
+async def test_idle_connections_are_closed_after_the_idle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gateway.request.upstream.IDLE_SECONDS", 0.2)
+    upstream = Upstream(connect_timeout=5, read_timeout=10)
+    async with running(build_stub(StubState())) as stub:
+        answers = [
+            await upstream.request("POST", stub, "/v1/completions", body(False), HEADERS) for _ in "ab"
+        ]
+        for answer in answers:
+            await answer.read()
+            answer.release()
+        assert len(upstream.idle[stub]) == 2
+        await asyncio.sleep(0.6)
+        assert stub not in upstream.idle, "both closed once idle past IDLE_SECONDS"
+        assert all(answer.transport is None for answer in answers)
+    upstream.close()

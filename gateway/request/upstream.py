@@ -11,14 +11,15 @@ connect and ``read_timeout`` between received bytes. Its failures are aiohttp's 
 client (``proxy``): they are rare and aiohttp streams them.
 
 ``close`` aborts a response (the client left): its connection closes, so the replica stops generating.
-A connection idle for ``IDLE_SECONDS`` is not reused (servers close idle keep-alive connections: uvicorn,
-under vLLM, after 5 s), nor one whose answer was not read to its end.
+A connection idle for ``IDLE_SECONDS`` is closed, never reused (servers close idle keep-alive connections:
+uvicorn, under vLLM, after 5 s), and one whose answer was not read to its end is not kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -170,7 +171,7 @@ class Answer(asyncio.Protocol):
             self.idle_since = time.monotonic()
             self.status, self.pending, self.body, self.complete = 0, [], None, False
             self.content_type = "application/octet-stream"
-            self.upstream.idle.setdefault(self.key, []).append(self)
+            self.upstream.keep(self)
         else:
             self._drop()
 
@@ -180,7 +181,25 @@ class Upstream:
 
     def __init__(self, connect_timeout: float, read_timeout: float) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.idle: dict[str, list[Answer]] = {}
+        self.idle: dict[str, deque[Answer]] = {}  # per replica: the newest last (reused first)
+        self.sweep: asyncio.TimerHandle | None = None
+
+    def keep(self, answer: Answer) -> None:
+        """``answer``'s connection is idle now; connections idle past ``IDLE_SECONDS`` are closed."""
+        self.idle.setdefault(answer.key, deque()).append(answer)
+        if self.sweep is None:
+            self.sweep = answer.loop.call_later(IDLE_SECONDS, self._sweep)
+
+    def _sweep(self) -> None:
+        self.sweep = None
+        oldest = time.monotonic() - IDLE_SECONDS
+        for url, idle in list(self.idle.items()):
+            while idle and idle[0].idle_since <= oldest:
+                idle.popleft().close()
+            if not idle:
+                del self.idle[url]
+        if self.idle:
+            self.sweep = asyncio.get_running_loop().call_later(IDLE_SECONDS / 2, self._sweep)
 
     @staticmethod
     def serves(url: str) -> bool:
@@ -230,6 +249,9 @@ class Upstream:
         return answer
 
     def close(self) -> None:
+        if self.sweep is not None:
+            self.sweep.cancel()
+            self.sweep = None
         for answers in self.idle.values():
             for answer in answers:
                 answer.close()
