@@ -59,10 +59,17 @@ CONCURRENCY = (1, 64)
 BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli import main; sys.exit(main())"
 
 
-def start_before(fleet: Fleet, workdir: Path, source: Path, stub_url: str) -> Target:
-    """``kvgate serve`` from the tree in ``source`` (``loadtest.edge``'s way), its version published."""
+def start_before(fleet: Fleet, workdir: Path, source: Path) -> Target:
+    """``kvgate serve`` from the tree in ``source`` (``loadtest.edge``'s way), its version published, in
+    front of a stub of its own: two kvgates on one replica, each with its own table, would each take
+    the other's version of ``bench`` for a foreign copy and unload it."""
     workdir.mkdir()
     publish(workdir)
+    stub_port = free_port()
+    stub = fleet.start("stub-before", [sys.executable, "-m", "loadtest.stub_server", "--port", str(stub_port),
+                                       "--chunks", str(CHUNKS)])  # fmt: skip
+    stub_url = f"http://127.0.0.1:{stub_port}"
+    wait_ready(stub, stub_url + "/v1/models")
     port = free_port()
     fleet.callback(stop_leftover_redis, workdir)  # runs after this kvgate has stopped
     child = fleet.start("kvgate-before", [sys.executable, "-c", BOOT, str(source), "serve",
@@ -186,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets = [Target("kvgate", f"http://127.0.0.1:{kv_port}", LOGICAL_ID, LOGICAL_ID, kvgate)]
         if args.before is not None:  # kvgate from another source tree, on its own data dir and version
             LABELS["kvgate-before"] = f"kvgate, {args.before_label}"
-            targets.append(start_before(fleet, workdir / "before", args.before.resolve(), stub_url))
+            targets.append(start_before(fleet, workdir / "before", args.before.resolve()))
         targets += [start_stack(fleet, stack, stub_url, versioned)[0] for stack in args.stacks]
         router_binary = ROOT / args.vllm_router
         if router_binary.is_file():
