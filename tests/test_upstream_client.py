@@ -102,3 +102,16 @@ async def test_idle_connections_are_closed_after_the_idle_time(monkeypatch: pyte
         assert stub not in upstream.idle, "both closed once idle past IDLE_SECONDS"
         assert all(answer.transport is None for answer in answers)
     upstream.close()
+
+
+async def test_a_header_value_that_is_not_text_goes_up_as_the_bytes_that_came() -> None:
+    """aiohttp's server decodes a header's non-UTF-8 bytes with surrogates: they go up as those bytes."""
+    state = StubState()
+    upstream = Upstream(connect_timeout=5, read_timeout=10)
+    async with running(build_stub(state)) as stub:
+        headers = {**HEADERS, "Authorization": "Bearer \udc80é"}
+        answer = await upstream.request("POST", stub, "/v1/completions", body(False), headers)
+        await answer.read()
+        answer.release()
+    upstream.close()
+    assert state.received_headers[-1]["Authorization"] == "Bearer \udc80é"

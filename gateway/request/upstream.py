@@ -211,8 +211,11 @@ class Upstream:
     ) -> Answer:
         """Send one request; returns once the answer's status line and headers are in (``release`` it)."""
         host = url.removeprefix("http://")
-        head = _HEAD % (method.encode(), path.encode(), host.encode())
-        lines = [head, *(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())]
+        head = _HEAD % (method.encode(), path.encode("utf-8", "surrogateescape"), host.encode())
+        lines = [
+            head,
+            *(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in headers.items()),
+        ]
         if body is not None or method == "POST":
             lines.append(b"Content-Length: %d\r\n" % len(body or b""))
         lines.append(b"\r\n")
