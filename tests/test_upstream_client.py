@@ -5,6 +5,7 @@ replica, each as aiohttp's exception classes (``relay.upstream_errors`` maps the
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import orjson
@@ -115,3 +116,24 @@ async def test_a_header_value_that_is_not_text_goes_up_as_the_bytes_that_came() 
         answer.release()
     upstream.close()
     assert state.received_headers[-1]["Authorization"] == "Bearer \udc80é"
+
+
+async def test_a_connect_that_does_not_finish_in_time_is_a_timeout() -> None:
+    """Not an unreachable replica: as aiohttp's connect timeout was, a TimeoutError (kvgate's 504)."""
+    with socket.socket() as listener:  # listening, never accepting, its backlog full: connects hang
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        held = [socket.socket() for _ in range(4)]
+        for sock in held:  # fill the backlog without waiting
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        upstream = Upstream(connect_timeout=0.3, read_timeout=10)
+        try:
+            with pytest.raises(TimeoutError) as caught:
+                await upstream.request("POST", f"http://127.0.0.1:{port}", "/v1/completions", b"{}", HEADERS)
+            assert not isinstance(caught.value, aiohttp.ClientError)
+            assert "no connection to" in str(caught.value), "the connect timed out, not a read"
+        finally:
+            for sock in held:
+                sock.close()

@@ -246,8 +246,10 @@ class Upstream:
                 _, answer = await loop.create_connection(
                     lambda: Answer(self, url, self.read_timeout), name, port
                 )
+        except TimeoutError:  # an OSError too: it stays a timeout (504), as aiohttp's connect timeout was
+            raise TimeoutError(f"no connection to {url} within {self.connect_timeout:g} s") from None
         except (OSError, ValueError) as exc:
-            raise aiohttp.ClientConnectionError(f"cannot connect to {url}: {exc}") from exc
+            raise aiohttp.ClientConnectionError(f"cannot connect to {url}: {exc!r}") from exc
         answer.last = loop.time()
         return answer
 
