@@ -8,7 +8,7 @@ FIXTURE_DIR := .cache/fixture
 OTHER_BASE  := .cache-base
 PIP_QUIET   := --quiet --disable-pip-version-check
 
-.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-routing apt-redis apt-chromium chaos chaos-spread
+.PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-stacks loadtest-routing apt-redis apt-chromium chaos chaos-spread
 
 setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done $(OTHER_BASE)/.done apt-redis apt-chromium
 
@@ -80,6 +80,14 @@ loadtest-proxy: $(VENV)/.done
 	test -x .venv-router/bin/vllm-router || ($(PYTHON) -m venv .venv-router && .venv-router/bin/pip install $(PIP_QUIET) vllm-router)
 	test -x $(VENV)/bin/py-spy || $(PY) -m pip install $(PIP_QUIET) py-spy
 	$(PY) -m loadtest.proxy_overhead --rounds 3 --seconds 4 --out docs/perf.md --profile docs/perf-profile
+
+# HTTP stack candidates (a minimal proxy each: aiohttp, httptools, granian) beside kvgate and vllm-router under
+# wrk, the same stub: docs/perf.md's stack table (issue 19, item 3).
+loadtest-stacks: $(VENV)/.done
+	command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk)
+	test -x .venv-router/bin/vllm-router || ($(PYTHON) -m venv .venv-router && .venv-router/bin/pip install $(PIP_QUIET) vllm-router)
+	test -x $(VENV)/bin/granian || $(PY) -m pip install $(PIP_QUIET) granian
+	$(PY) -m loadtest.stack_compare --rounds 3 --seconds 3 --out docs/perf.md
 
 # kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
 loadtest-routing: $(VENV)/.done

@@ -251,6 +251,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             namespaces=settings.invalidation == VERSION_SCOPED and dialect.cache_namespaces,
             expose_replica_urls=settings.expose_replica_urls,
             tokens=tokens,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT],
@@ -267,6 +269,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
         )
         yield
+        app[PROXY].upstream.close()
         await app[LOADER].stop()  # loads in flight, before the session they use closes
 
 

@@ -583,7 +583,8 @@ NOTES = """\
   (default 10 s), and its own error, 503 `replica_busy`, saying how long it waited; the connect
   timeout measures connecting only. RSS stays flat from one wave to the next. The open descriptors
   left after the waves are kvgate's idle connections to the replicas (one per stream of the last
-  wave), which its HTTP client keeps for up to 60 s for reuse.
+  wave), which its client to the replicas keeps for reuse and closes once idle for 2 s
+  (`gateway/request/upstream.py`).
 - **b. Aborting client.** A write to a client that had left raised `ClientConnectionResetError`, an
   `aiohttp.ClientError`, which kvgate took for the replica failing: it marked the replica unhealthy
   (both, soon: "no healthy replica" for everyone else) and sent the request again to the other one.

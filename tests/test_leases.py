@@ -16,7 +16,11 @@ from redis.asyncio import Redis
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
+from gateway.fleet.leases import Leases
 from gateway.serving import free_port, running
+from gateway.table import keys
+from gateway.table.epoch_table import EpochTable
+from gateway.table.leases import LeaseTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
@@ -118,3 +122,27 @@ async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
             if b.returncode is None:
                 b.kill()
                 await b.wait()
+
+
+async def test_a_first_use_does_not_wait_for_its_lease_a_refused_one_is_let_go(table: EpochTable) -> None:
+    """``Leases.acquire`` counts at once and writes the lease beside the request (no await on the request
+    path); the lease is in Redis a moment later, so another kvgate's unload claim is refused. A lease
+    Redis refuses (another kvgate claimed the name first) leaves the pair not held, so the next use asks
+    again."""
+    mine, other = LeaseTable(table, "gw-a", ttl_ms=60_000), LeaseTable(table, "gw-b", ttl_ms=60_000)
+    leases = Leases(mine)
+    leases.acquire("http://r1", "t@1")  # no await: nothing of Redis ran yet
+    assert ("http://r1", "t@1") in leases.held()
+
+    async def recorded() -> bool:
+        return await table.redis.hget(keys.leases("http://r1"), "t@1|gw-a") is not None
+
+    await eventually(recorded, "the lease written beside the request")
+    assert not (await other.begin_unload("http://r1", "t@1", force=False, claim_ms=60_000)).claimed
+    assert (await other.begin_unload("http://r1", "t@2", force=False, claim_ms=60_000)).claimed
+    leases.acquire("http://r1", "t@2")  # claimed by gw-b first: Redis refuses the lease
+    await eventually(lambda: leases.refused == 1, "the refusal seen")
+    leases.release("http://r1", "t@2")
+    await leases.heartbeat()
+    assert ("http://r1", "t@2") not in leases.held(), "a refused pair with nothing in flight is let go"
+    assert ("http://r1", "t@1") in leases.held(), "a pair in flight stays held"

@@ -16,7 +16,7 @@ from gateway.app import build_app
 from gateway.config import Settings
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
+from tests.conftest import MakeAdapter, until_healthy
 from tests.stub_backend import StubState, build_stub
 
 TOKEN = "admin-token"  # /metrics on the public listener takes the admin token
@@ -65,10 +65,12 @@ async def test_every_decision_observes_its_predicted_prefix_match(
 ) -> None:
     store = AdapterStore(tmp_path / "store")
     await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
-    async with running(build_stub(StubState())) as stub_url:
-        settings = Settings(replicas=[stub_url], store=store.root, admin_token=TOKEN)
+    # two replicas: with one, nothing is to be chosen and a request is keyed by its first block only
+    async with running(build_stub(StubState())) as stub_a, running(build_stub(StubState())) as stub_b:
+        settings = Settings(replicas=[stub_a, stub_b], store=store.root, admin_token=TOKEN)
         app = build_app(settings, redis)
         async with running(app) as url, aiohttp.ClientSession() as http:
+            await until_healthy(url)
             body = {"model": "tenant-42", "prompt": "p" * 1100, "max_tokens": 1}  # 4 full 256-char blocks
             for _ in range(2):  # a load (nothing known), then a warm hit on all 4 blocks
                 async with http.post(f"{url}/v1/completions", json=body) as response:

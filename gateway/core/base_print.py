@@ -19,6 +19,7 @@ first colon, for people.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,9 +87,15 @@ def take(text: str, runs: Sequence[Sequence[float]], floor: float) -> BasePrint:
 
 def prints_match(expected: str, actual: str | None) -> bool:
     """Whether a replica whose print is ``actual`` (None: not taken yet) serves the base a version was
-    published for (``expected``; '' for a version published without a print: then any print goes)."""
+    published for (``expected``; '' for a version published without a print: then any print goes).
+    Asked per request for every replica: a pure function of two strings, so its answers are cached."""
     if not expected:
         return True
+    return _prints_match(expected, actual)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prints_match(expected: str, actual: str | None) -> bool:
     want, have = decode(expected), decode(actual) if actual else None
     return want is not None and have is not None and want.matches(have)
 

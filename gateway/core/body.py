@@ -3,20 +3,24 @@
 Everything here costs in proportion to the body and nothing else does, so the proxy runs it in a worker
 thread for large bodies and the event loop never parses, renders or serializes a 4 MB prompt itself.
 ``orjson`` parses (it refuses nesting deeper than 1,024 levels and invalid UTF-8 with a ValueError, where
-the standard library's parser recursed until RecursionError) and serializes once: the body minus the
-members the gateway owns (``model`` and the client's cache namespace fields), into which ``splice``
-later writes the gateway's own members without touching the rest again. orjson writes at most 254
-levels, so a body nested deeper is refused here, whether or not it would need rewriting: one limit for
-every request. The prompt is rendered for prefix keys only as far as they reach (``prefix.prompt_text``).
+the standard library's parser recursed until RecursionError). Going up, the client's bytes are spliced,
+not serialized again: ``model``'s value is replaced in place and the gateway's own members appended
+(``forwarded``); only a body where that cannot be exact (the client sent a cache namespace field, or
+``model`` is not spelled once literally) is serialized, once, without the members the gateway owns.
+orjson writes at most 254 levels, so a body nested deeper is refused here, whether or not it would
+need rewriting: one limit for every request (checked by serializing only a body with that many
+``{``/``[`` bytes). The prompt is rendered for prefix keys by the request path, only as far as they reach
+(``prefix.prompt_text``), and only when they can decide anything.
 
 ``stream`` is read the way vLLM's request models read it (``stream: bool | None``, pydantic's lax mode):
 ``"true"``, ``1`` or ``"yes"`` stream, ``null`` does not, and what vLLM would refuse is a 400 here.
-Integers beyond 64 bits are read as floats (orjson's rule) and forwarded so; vLLM refuses such values in
-every integer field anyway.
+Integers beyond 64 bits are read as floats (orjson's rule), and forwarded as sent (as floats where the
+body is serialized); vLLM refuses such values in every integer field anyway.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +28,6 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
-from gateway.core.prefix import prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``
@@ -37,8 +40,14 @@ class Body:
     model: str
     stream: bool
     namespaced: bool  # the client sent a cache namespace field (it is never forwarded)
-    rest: bytes  # the body without ``model`` and the client's namespace fields, serialized
-    prompt: str  # the start of the prompt as prefix keys see it (``prefix.prompt_text``)
+    raw: bytes  # the body as the client sent it
+    skip: frozenset[str]  # the members the gateway owns on this route (never forwarded as sent)
+    owned_sent: bool  # the client sent one of them besides ``model``
+
+
+_NESTING_SAFE = 254  # fewer '{' and '[' bytes than this: the body cannot be nested deeper than orjson writes
+_SPACE = b" \t\r\n"
+_ESCAPED_LETTER = re.compile(rb"\\u006[45cdfCDF]")  # a \u escape of d, e, l, m or o: could spell "model"
 
 
 def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = frozenset()) -> Body:
@@ -46,7 +55,7 @@ def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = 
 
     ``model_optional``: the route's vLLM request model has ``model: str | None`` (no model, or null, is
     the base model: ``model`` is then ""). ``owned``: more members the gateway owns on this route (they
-    are left out of ``rest`` like ``model``, e.g. ``request_id`` on ``/v1/responses``)."""
+    are never forwarded as the client sent them, like ``model``, e.g. ``request_id`` on ``/v1/responses``)."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -60,16 +69,60 @@ def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = 
         raise BadRequest("you must provide a model parameter", param="model")
     stream = stream_flag(doc.get("stream"))
     skip = _OWNED | owned
+    if raw.count(b"{") + raw.count(b"[") >= _NESTING_SAFE:  # maybe that deep: the one limit for every body
+        _without(doc, skip)
+    namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
+    owned_sent = namespaced or any(key in doc for key in owned)
+    return Body(doc, model, stream, namespaced, raw, skip, owned_sent)
+
+
+def _without(doc: dict[str, Any], skip: frozenset[str]) -> bytes:
+    """``doc`` without the members in ``skip``, serialized (a ``BadRequest`` if nested too deeply)."""
     try:
-        rest = orjson.dumps({key: value for key, value in doc.items() if key not in skip})
+        return orjson.dumps({key: value for key, value in doc.items() if key not in skip})
     except orjson.JSONEncodeError as exc:  # orjson writes at most 254 levels of nesting
         raise BadRequest(f"request body is nested too deeply to forward ({exc})") from exc
-    namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
-    return Body(doc, model, stream, namespaced, rest, prompt_text(doc))
+
+
+def forwarded(body: Body, owned: dict[str, str]) -> bytes:
+    """The body a replica gets: ``owned`` (the gateway's members) in it, none of the client's owned
+    members. The client's bytes with ``model``'s value replaced in place when that is exact (see
+    ``_in_place``), else the body serialized once without the owned members and ``owned`` spliced in."""
+    spliced = _in_place(body, owned)
+    return spliced if spliced is not None else splice(_without(body.doc, body.skip), owned)
+
+
+def _in_place(body: Body, owned: dict[str, str]) -> bytes | None:
+    """The client's bytes with the value of its one top-level ``model`` member replaced by
+    ``owned["model"]`` and the other gateway members appended, or None when that cannot be exact: the
+    client sent another owned member, no ``model`` is to be written, or ``"model"`` is spelled other than
+    once literally (a ``\\u`` escape of one of its letters could spell a key ``model`` that a byte search
+    would not see, and a second ``"model"`` could be a nested key or a value). Without such escapes, the
+    one literal ``"model"`` in a body whose top level has that member is its key; its value must then be
+    exactly what orjson writes for it."""
+    raw = body.raw
+    if body.owned_sent or "model" not in owned or "model" not in body.doc or _ESCAPED_LETTER.search(raw):
+        return None
+    at = raw.find(b'"model"')
+    if at < 0 or raw.find(b'"model"', at + 7) >= 0:
+        return None
+    value = len(raw) - len(raw[at + 7 :].lstrip(_SPACE))
+    if raw[value : value + 1] != b":":
+        return None
+    value = len(raw) - len(raw[value + 1 :].lstrip(_SPACE))
+    old = orjson.dumps(body.doc["model"])
+    end = len(raw.rstrip(_SPACE))
+    if not raw.startswith(old, value) or raw[end - 1 : end] != b"}":
+        return None
+    rest = {key: text for key, text in owned.items() if key != "model"}
+    tail = b"," + orjson.dumps(rest)[1:] if rest else b"}"
+    return b"".join((raw[:value], orjson.dumps(owned["model"]), raw[value + len(old) : end - 1], tail))
 
 
 def stream_flag(value: object) -> bool:
     """``stream`` read as vLLM reads it (a JSON member, a form field or a query parameter)."""
+    if value is None or value is False or value is True:
+        return value is True  # JSON's own literals, read before pydantic is asked
     try:
         return _STREAM.validate_python(value) is True
     except ValidationError as exc:

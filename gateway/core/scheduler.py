@@ -110,6 +110,8 @@ def capacity(replicas: Sequence[ReplicaView], load_factor: float = LOAD_FACTOR) 
 
 def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> list[R]:
     """Replicas that can take one more request without exceeding their bounded share."""
+    if len(candidates) < 2:  # alone, a replica is within its share whatever it holds
+        return list(candidates)
     cap = capacity(candidates, load_factor)
     return [r for r in candidates if r.in_flight + 1 <= cap] or list(candidates)
 
@@ -117,6 +119,8 @@ def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> l
 def spread_target(of_base: Sequence[R], holders: Sequence[R], budget: int) -> R | None:
     """Where a hot version should be loaded too: every holder is above its bounded share of the base's
     load, and a replica of the base that lacks the version is within it and has room in its budget."""
+    if len(of_base) == len(holders):  # every replica of the base holds it: nowhere to spread to
+        return None
     cap = capacity(of_base)
     if any(r.in_flight + 1 <= cap for r in holders):
         return None

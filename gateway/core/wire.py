@@ -11,6 +11,7 @@ replica that stores the response and the tenant that owns it (``response_id``).
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 
@@ -42,9 +43,11 @@ AUTHORIZATION_HEADER = "Authorization"  # with API keys on it carries kvgate's c
 REPLICA_ID_PREFIX = "r-"
 
 
+@functools.lru_cache(maxsize=4096)
 def cache_salt(generation: str, version: VersionState) -> str:
     """The gateway's cache namespace for one effective model and epoch: fixed prefix, hex only. The base
-    fingerprint is part of the effective model (a version without one keeps its namespace of before)."""
+    fingerprint is part of the effective model (a version without one keeps its namespace of before).
+    Asked on every request of a version: a pure function of its arguments, so it is cached."""
     key = f"{generation}\0{version.base}\0{version.digest}\0{version.epoch}"
     if version.base_print:
         key += f"\0{version.base_print}"

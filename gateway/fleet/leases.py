@@ -1,7 +1,8 @@
 """This kvgate's leases on the adapters its requests use, shared with the fleet through Redis.
 
 Counted locally per (replica, versioned name). The first request on a pair this kvgate does not hold
-writes the lease before it goes out (``acquire``; refused while another kvgate unloads that name); the
+writes the lease in the background as it goes out (``acquire``: no request waits on Redis; refused while
+another kvgate unloads that name, and then that request may find the name gone and be retried); the
 heartbeat, every quarter of the lease time to live, refreshes what is in use, shares each name's last use
 (the fleet's LRU order) and lets go of pairs with nothing in flight. A kvgate that dies stops refreshing,
 and its leases expire within the time to live. The loader asks ``begin_unload`` before it unloads.
@@ -9,6 +10,7 @@ and its leases expire within the time to live. The loader asks ``begin_unload`` 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -37,6 +39,9 @@ class Leases:
         self._held: dict[Pair, int] = {}  # pair -> last use (wall-clock ms)
         self._reporting: dict[Pair, int] = {}  # what the running heartbeat shares (``forget`` edits it)
         self._replicas: set[str] = set()  # every replica this kvgate ever leased on (to let go there)
+        self._recording: dict[Pair, asyncio.Task[None]] = {}  # first uses whose lease is being written
+        self.refused = 0  # first uses whose lease Redis refused (an unload was in progress there)
+        self.unrecorded = 0  # first uses whose lease could not be written (Redis unreachable, or a fault)
 
     @property
     def gateway_id(self) -> str:
@@ -45,19 +50,36 @@ class Leases:
     def held(self) -> dict[Pair, int]:
         return dict(self._held)
 
-    async def acquire(self, replica: str, name: str) -> bool:
-        """Count one request on ``name`` at ``replica``; False (nothing counted) while it is unloaded."""
+    def acquire(self, replica: str, name: str) -> None:
+        """Count one request on ``name`` at ``replica``, at once. A pair this kvgate does not hold yet is
+        written to Redis in the background (``_record``): the request does not wait for that round trip."""
         pair = (replica, name)
-        if pair not in self._held:
-            try:
-                if not await self.table.acquire(replica, name):
-                    return False
-            except REDIS_DOWN as exc:  # serve on: the local count still protects this kvgate's requests
-                log.warning("lease on %s at %s not recorded (Redis unreachable): %s", name, replica, exc)
+        if pair not in self._held and pair not in self._recording:
             self._replicas.add(replica)
+            self._recording[pair] = asyncio.get_running_loop().create_task(self._record(pair))
         self._in_flight[pair] += 1
         self._held[pair] = wall_ms()
-        return True
+
+    async def _record(self, pair: Pair) -> None:
+        """The lease in Redis for a pair's first request. Refused (another kvgate began to unload that
+        name there): the requests out already may find it gone (the proxy retries a replica that answers
+        it lacks the version, which loads it again), and the pair is not held, so the next request asks
+        again. Every failure is logged and counted, never raised: no request waits on this task."""
+        replica, name = pair
+        try:
+            if not await self.table.acquire(replica, name):
+                self.refused += 1
+                log.info("lease on %s at %s refused: another kvgate is unloading it there", name, replica)
+                if pair not in self._in_flight:
+                    self._held.pop(pair, None)
+        except REDIS_DOWN + REDIS_REFUSED as exc:  # serve on: the local count protects this kvgate's requests
+            self.unrecorded += 1
+            log.warning("lease on %s at %s not recorded (Redis unreachable): %s", name, replica, exc)
+        except Exception:
+            self.unrecorded += 1
+            log.exception("lease on %s at %s not recorded", name, replica)
+        finally:
+            self._recording.pop(pair, None)
 
     def release(self, replica: str, name: str) -> None:
         pair = (replica, name)
@@ -98,6 +120,8 @@ class Leases:
         """On shutdown: drop every lease at once instead of waiting for them to expire."""
         self._held.clear()
         self._in_flight.clear()
+        for task in list(self._recording.values()):
+            task.cancel()
         try:
             for replica in sorted(self._replicas):
                 await self.table.refresh(replica, {}, set(), since=self.table.now_ms() + 1)

@@ -126,8 +126,11 @@ class Replica:
             yield
             return
         try:
-            async with asyncio.timeout(self.pool_wait):
-                await self.slots.acquire()
+            if self.slots.locked():  # none free: wait, for at most pool_wait
+                async with asyncio.timeout(self.pool_wait):
+                    await self.slots.acquire()
+            else:
+                await self.slots.acquire()  # one is free: taken at once, no timer armed
         except TimeoutError:
             raise ReplicaBusy(
                 f"kvgate waited {self.pool_wait:g} s for a free connection to replica {self.url}: all "

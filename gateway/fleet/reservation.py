@@ -3,10 +3,13 @@
 A ``Reservation`` is taken the moment the scheduler picks a replica, before the version is loaded there
 (when it must be) and before the first byte goes out: it is counted on the replica at once
 (``Replica.begin``, with no await before it, so this kvgate's evictions and sweep see it) and leased
-fleet-wide (``Leases.acquire``, so every other kvgate's evictions see it too). There is no window between
-"loaded" and "used": the requests that wait for a load hold their reservations already and take the
-version over when it lands. It is refused while this kvgate (``Replica.unloading``) or another one
-(the lease claim) unloads that version there. ``release`` lets go of both, once.
+fleet-wide (``Leases.acquire``, so every other kvgate's evictions see it too). A pair's first lease is
+written beside the request, not before it: no Redis round trip on the request path, at the price of a
+window of one round trip in which another kvgate may still claim the name; a request that then meets a
+replica without it is retried there, which loads it again (never served by another version). The
+requests that wait for a load hold their reservations already and take the version over when it
+lands. It is refused while this kvgate unloads that version there (``Replica.unloading``); another
+kvgate's unload in progress refuses the lease in Redis (``Leases``). ``release`` lets go of both, once.
 """
 
 from __future__ import annotations
@@ -30,16 +33,8 @@ class Reservation:
         if name is not None and name in replica.unloading:
             raise VersionUnloading(f"{name} is being unloaded from {replica.url}")
         replica.begin(name)  # counted before anything can yield to another task
-        if name is None:
-            return cls(replica, name, leases)
-        try:
-            leased = await leases.acquire(replica.url, name)
-        except BaseException:
-            replica.end(name)
-            raise
-        if not leased:
-            replica.end(name)
-            raise VersionUnloading(f"{name} is being unloaded from {replica.url}")
+        if name is not None:
+            leases.acquire(replica.url, name)  # no await: its Redis write (first use) runs beside the request
         return cls(replica, name, leases)
 
     def release(self) -> None:

@@ -23,9 +23,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.core.body import Body, decode, splice, stream_flag
+from gateway.core.body import Body, decode, forwarded, stream_flag
 from gateway.core.errors import BadRequest, BodyTooLarge, ResponseNotFound
 from gateway.core.model import Target
+from gateway.core.prefix import PREFIX_CHARS, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, replica_id, response_id, response_owner, response_parts
 from gateway.fleet.backends import BackendDialect
 from gateway.fleet.replicas import Replica
@@ -65,9 +66,9 @@ class ParsedRequest:
     def body(self) -> dict[str, Any]:
         return self.decoded.doc if self.decoded is not None else {}
 
-    @property
-    def prompt(self) -> str:
-        return self.decoded.prompt if self.decoded is not None else ""
+    def prompt(self, limit: int = PREFIX_CHARS) -> str:
+        """The start of the prompt as prefix keys see it, rendered only as far as ``limit``."""
+        return prompt_text(self.decoded.doc, limit) if self.decoded is not None else ""
 
     @property
     def stored_response(self) -> str | None:
@@ -186,8 +187,8 @@ def upstream_body(
     parsed: ParsedRequest, target: Target, replica_url: str, dialect: BackendDialect, *, namespaces: bool
 ) -> Upstream:
     """The body the replica gets. JSON: the client's bytes as they came or, when kvgate must change
-    them, the body serialized once at parse time without the members kvgate owns, with the gateway's
-    own spliced in (nothing is serialized again here). ``namespaces``: version namespaces are on."""
+    them, those bytes with the gateway's own members spliced in (``body.forwarded``). ``namespaces``:
+    version namespaces are on."""
     if parsed.route.kind == "form":
         return _form_body(parsed, target)
     if parsed.decoded is None:
@@ -201,7 +202,7 @@ def upstream_body(
     if parsed.route.mints_response_id:
         owned["request_id"] = response_id(replica_url, parsed.tenant)
     changed = target.version is not None or bool(set(owned) - {"model"}) or parsed.decoded.namespaced
-    body = splice(parsed.decoded.rest, owned) if changed else parsed.raw
+    body = forwarded(parsed.decoded, owned) if changed else parsed.raw
     return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
 
 

@@ -15,13 +15,14 @@ caller's ``Authorization`` (kvgate's credential) never goes on to a replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from opentelemetry.trace import NoOpTracer, Span, SpanKind, StatusCode, Tracer
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
 from gateway.core.errors import (
     BackendUnreachable,
@@ -31,7 +32,7 @@ from gateway.core.errors import (
 )
 from gateway.core.identity import is_logical_id
 from gateway.core.model import Target
-from gateway.core.prefix import block_keys
+from gateway.core.prefix import BLOCK_CHARS, PREFIX_CHARS, block_keys
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.core.wire import (
     AUTHORIZATION_HEADER,
@@ -52,6 +53,7 @@ from gateway.request.auth import Auth, not_found
 from gateway.request.intake import Intake, ParsedRequest, upstream_body
 from gateway.request.placement import Placement
 from gateway.request.routes import Route
+from gateway.request.upstream import Upstream
 from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry import tracing as attr
@@ -68,6 +70,8 @@ class ProxyOptions:
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
     tokens: PromptTokens | None = None  # the base model's tokenizer: precise prefix keys (KV events)
+    connect_timeout: float = 5.0  # the forward's client (``upstream``): TCP connect
+    read_timeout: float = 600.0  # and between received bytes
 
 
 class Proxy:
@@ -105,11 +109,18 @@ class Proxy:
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
         self.intake = Intake(admin, pool.replicas, options.max_body_bytes)
+        self.upstream = Upstream(options.connect_timeout, options.read_timeout)  # the forward's client
+        self.choosing = len(pool.replicas) > 1
+        """More than one replica could serve a request: only then do prefix keys and tokens decide
+        anything. With one, a request is keyed by its first block only (the ``x-kvgate-prefix-key``
+        evidence the audit records) and never tokenized."""
+        self.prefix_chars = PREFIX_CHARS if self.choosing else BLOCK_CHARS
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.monotonic()
         label, outcome = UNKNOWN, "error"
-        with self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER) as span:
+        spanning = self._span() if self.tracing else contextlib.nullcontext(INVALID_SPAN)
+        with spanning as span:
             try:
                 caller = self.auth.caller(request)
                 parsed = await self.intake.parse(request, route, caller)
@@ -130,8 +141,11 @@ class Proxy:
                 outcome = ClientClosed.type
                 raise
             finally:
-                self.metrics.requests.labels(label, outcome).inc()
+                self.metrics.child(self.metrics.requests, label, outcome).inc()
                 self.metrics.latency.observe(time.monotonic() - started)
+
+    def _span(self) -> contextlib.AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER)
 
     async def schedule_and_forward(
         self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
@@ -149,8 +163,9 @@ class Proxy:
         while True:
             decision, reservation = await self.schedule(target, pin)
             _describe_decision(span, decision, target)
-            self.metrics.routing.labels(decision.reason).inc()
-            self.metrics.prefix_matched_blocks.labels(decision.prefix_source).observe(decision.matched_blocks)
+            self.metrics.child(self.metrics.routing, decision.reason).inc()
+            matched = self.metrics.child(self.metrics.prefix_matched_blocks, decision.prefix_source)
+            matched.observe(decision.matched_blocks)
             try:
                 return await self.forward(request, parsed, target, reservation, decision, span, started)
             except VersionForgotten:
@@ -158,13 +173,13 @@ class Proxy:
                 if forgotten:
                     raise
                 forgotten = True
-                self.metrics.routing.labels("reload").inc()
+                self.metrics.child(self.metrics.routing, "reload").inc()
             except BackendUnreachable:
                 decision.replica.healthy = False
                 attempts -= 1
                 if pin is not None or attempts == 0:
                     raise
-                self.metrics.routing.labels("retry").inc()
+                self.metrics.child(self.metrics.routing, "retry").inc()
             finally:
                 reservation.release()
 
@@ -196,14 +211,14 @@ class Proxy:
         if parsed.admin.cold:
             return Target(parsed.model, version.base, version, cold_salt(), [], expected)
         salt = cache_salt(self.snapshot.generation, version)
-        keys = block_keys(salt, parsed.prompt)
+        keys = block_keys(salt, parsed.prompt(self.prefix_chars))
         return Target(parsed.model, version.base, version, salt, keys, expected, self.tokens(parsed))
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate has the tokenizer and follows
         KV events (``request.tokens``); () otherwise, or when the request is not one it can reproduce."""
         tokenizer = self.options.tokens
-        if tokenizer is None or self.scheduler.precise is None:
+        if tokenizer is None or self.scheduler.precise is None or not self.choosing:
             return ()
         if parsed.route.path == COMPLETIONS:
             return tokenizer.completion(parsed.body) or ()
@@ -240,38 +255,52 @@ class Proxy:
             attr.inject_traceparent(headers)
         rewrite = _rewrite(route, name, target.logical_id)
         usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
-        evidence = relay.evidence(
-            target, self.replica_names[replica.url], decision.prefix_source, decision.matched_blocks
-        )
+        there = self.replica_names[replica.url]
+        evidence = relay.evidence(target, there, decision.prefix_source, decision.matched_blocks)
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
-        response: web.StreamResponse
-        with relay.upstream_errors(self.replica_names[replica.url]):
+        with relay.upstream_errors(there):
             # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
-            async with (
-                replica.connection(),
-                self.pool.session.request(
-                    route.method, replica.url + path, data=body, headers=headers
-                ) as upstream,
-            ):
-                self.metrics.ttfb.observe(time.monotonic() - started)
-                if rewrite is not None and await rewrite.forgotten(upstream):
-                    raise VersionForgotten(
-                        f"replica {self.replica_names[replica.url]} does not have {target.logical_id!r}'s "
-                        "version loaded (it restarted, or it was unloaded there); retry"
-                    )
-                if route.kind == "model-card":
-                    response = await relay.relay_card(
-                        upstream, name or parsed.model, target, evidence, self.replica_names[replica.url]
-                    )
-                elif parsed.stream and upstream.content_type == "text/event-stream":
-                    response = await relay.relay_stream(request, upstream, rewrite, usage, evidence)
-                else:
-                    response = await relay.relay_body(
-                        upstream, rewrite, usage, evidence, self.replica_names[replica.url]
-                    )
+            async with replica.connection():
+                if (body is None or isinstance(body, bytes)) and self.upstream.serves(replica.url):
+                    answer = await self.upstream.request(route.method, replica.url, path, body, headers)
+                    try:
+                        response = await self._relay(request, parsed, target, answer, rewrite, usage,
+                                                     evidence, there, started)  # fmt: skip
+                    finally:
+                        answer.release()
+                else:  # a multipart or very large body, or a replica this client cannot reach: aiohttp's
+                    url = replica.url + path
+                    async with self.pool.session.request(route.method, url, data=body, headers=headers) as up:
+                        response = await self._relay(request, parsed, target, relay.AiohttpAnswer(up),
+                                                     rewrite, usage, evidence, there, started)  # fmt: skip
         if response.status == 200:
             self.scheduler.served(target, replica)
         return response
+
+    async def _relay(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        target: Target,
+        upstream: relay.Answer,
+        rewrite: relay.Rewrite | None,
+        usage: relay.Usage,
+        evidence: dict[str, str],
+        there: str,
+        started: float,
+    ) -> web.StreamResponse:
+        self.metrics.ttfb.observe(time.monotonic() - started)
+        if rewrite is not None and await rewrite.forgotten(upstream):
+            raise VersionForgotten(
+                f"replica {there} does not have {target.logical_id!r}'s "
+                "version loaded (it restarted, or it was unloaded there); retry"
+            )
+        if parsed.route.kind == "model-card":
+            name = target.version.name if target.version is not None else None
+            return await relay.relay_card(upstream, name or parsed.model, target, evidence, there)
+        if parsed.stream and upstream.content_type == "text/event-stream":
+            return await relay.relay_stream(request, upstream, rewrite, usage, evidence, there)
+        return await relay.relay_body(upstream, rewrite, usage, evidence, there)
 
 
 def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite | None:

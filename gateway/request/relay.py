@@ -18,7 +18,8 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +48,46 @@ from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
+
+
+class Answer(Protocol):
+    """A replica's answer as the relay reads it: ``upstream.Answer``, or aiohttp's (``AiohttpAnswer``)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def content_type(self) -> str: ...
+    async def read(self) -> bytes: ...
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    def close(self) -> None: ...
+
+
+class AiohttpAnswer:
+    """aiohttp's response as an ``Answer`` (multipart and very large bodies go through aiohttp)."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def content_type(self) -> str:
+        return self.response.content_type
+
+    async def read(self) -> bytes:
+        return await self.response.read()
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self.response.content.iter_any()
+
+    def close(self) -> None:
+        self.response.close()
+
+
 _CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
@@ -66,9 +107,9 @@ class Usage:
         cached = _CACHED_TOKENS.search(data)
         prompt = _PROMPT_TOKENS.search(data)
         if prompt is not None:
-            self.metrics.prompt_tokens.labels(self.label).inc(int(prompt.group(1)))
+            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(int(prompt.group(1)))
         if cached is not None:
-            self.metrics.cached_tokens.labels(self.label).inc(int(cached.group(1)))
+            self.metrics.child(self.metrics.cached_tokens, self.label).inc(int(cached.group(1)))
             self.span.set_attribute(attr.CACHED_TOKENS, int(cached.group(1)))
 
 
@@ -96,7 +137,7 @@ class ModelRewrite:
         """An error body (no generated text in it): the versioned name becomes the logical ID everywhere."""
         return data.replace(self.versioned, self.logical)
 
-    async def forgotten(self, upstream: aiohttp.ClientResponse) -> bool:
+    async def forgotten(self, upstream: Answer) -> bool:
         """Whether the replica answered that it does not have the versioned name (vLLM: 404, "The model
         `<name>` does not exist."): it restarted, or someone else unloaded it."""
         return upstream.status == 404 and self.versioned in await upstream.read()
@@ -138,7 +179,7 @@ class AnyVersionRewrite:
         """An error body: every versioned name becomes its logical ID."""
         return self._ANY_NAME.sub(rb"\1", data) if b"@" in data else data
 
-    async def forgotten(self, upstream: aiohttp.ClientResponse) -> bool:
+    async def forgotten(self, upstream: Answer) -> bool:
         """No version is known in advance here, so none can be found forgotten."""
         return False
 
@@ -192,7 +233,7 @@ def openai_error(payload: bytes, status: int, replica: str) -> bytes | None:
 
 
 async def relay_body(
-    upstream: aiohttp.ClientResponse,
+    upstream: Answer,
     rewrite: Rewrite | None,
     usage: Usage,
     headers: dict[str, str],
@@ -212,7 +253,7 @@ async def relay_body(
 
 
 async def relay_card(
-    upstream: aiohttp.ClientResponse, served: str, target: Target, headers: dict[str, str], replica: str
+    upstream: Answer, served: str, target: Target, headers: dict[str, str], replica: str
 ) -> web.Response:
     """``/v1/models/{model}`` from the replica's listing (an error from it passes as ``relay_body``'s)."""
     payload = await upstream.read()
@@ -232,10 +273,11 @@ async def relay_card(
 
 async def relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Answer,
     rewrite: Rewrite | None,
     usage: Usage,
     headers: dict[str, str],
+    replica: str,
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=upstream.status, headers=headers)
     response.content_type = "text/event-stream"
@@ -244,7 +286,7 @@ async def relay_stream(
     await to_client.prepare()
     pending = b""  # an incomplete line: rewrites only ever see whole lines
     try:
-        async for chunk in upstream.content.iter_any():
+        async for chunk in upstream.chunks():
             data = pending + chunk if pending else chunk
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
@@ -255,7 +297,7 @@ async def relay_stream(
     except (aiohttp.ClientError, TimeoutError) as exc:  # the replica's side (writes raise ClientClosed)
         # Bytes already went out: the status is sent, so the error travels as a final SSE event (in
         # kvgate's words: aiohttp's name the replica's address and its own internals; they go to the log).
-        log.warning("the stream from %s broke off: %r", upstream.url.origin(), exc)
+        log.warning("the stream from replica %s broke off: %r", replica, exc)
         error = BackendUnreachable("the replica's stream broke off before its end")
         await to_client.write(b"data: " + error.json_bytes() + b"\n\n")
     await to_client.write_eof()
@@ -268,30 +310,30 @@ class _ClientWriter:
 
     __slots__ = ("request", "response", "upstream")
 
-    def __init__(
-        self, request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse
-    ) -> None:
+    def __init__(self, request: web.Request, response: web.StreamResponse, upstream: Answer) -> None:
         self.request, self.response, self.upstream = request, response, upstream
 
     async def prepare(self) -> None:
-        with self._client_side():
+        try:
             await self.response.prepare(self.request)
+        except ConnectionError as exc:
+            raise self._left() from exc
 
     async def write(self, data: bytes) -> None:
-        with self._client_side():
+        try:  # per chunk: a try costs nothing, a context manager did
             await self.response.write(data)
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+            raise self._left() from exc
 
     async def write_eof(self) -> None:
-        with self._client_side():
-            await self.response.write_eof()
-
-    @contextlib.contextmanager
-    def _client_side(self) -> Iterator[None]:
         try:
-            yield
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
-            self.upstream.close()
-            raise ClientClosed("the client closed its connection mid-stream") from exc
+            await self.response.write_eof()
+        except ConnectionError as exc:
+            raise self._left() from exc
+
+    def _left(self) -> ClientClosed:
+        self.upstream.close()
+        return ClientClosed("the client closed its connection mid-stream")
 
 
 def transform(data: bytes, rewrite: Rewrite | None, usage: Usage) -> bytes:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K, OTHER, TopIds
@@ -40,6 +42,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self.ids = TopIds(top_k, rerank_interval, self._drop_series, clock)
         self._by_id: list[Counter] = []
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        """(metric, label values) -> its child, bound once (``child``); dropped with its series."""
         r = self.registry
         self.requests = self._counter_by_id(
             "kvgate_requests", "Proxied requests by logical ID (top K, else other) and outcome", "outcome"
@@ -206,6 +210,15 @@ class Metrics:
         """The label ``logical_id``'s counts go under right now: itself if promoted, else ``other``."""
         return self.ids.label(logical_id)
 
+    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """``metric.labels(*values)``, bound once: the request path asks for the same few children on
+        every request (label values are bounded, see above, so this map is too)."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def _counter_by_id(self, name: str, documentation: str, *labels: str) -> Counter:
         """A counter labelled first by ``logical_id`` (always a value from ``for_request``/``for_id``)."""
         counter = Counter(name, documentation, [ID_LABEL, *labels], registry=self.registry)
@@ -215,6 +228,9 @@ class Metrics:
     def _drop_series(self, logical_id: str) -> None:
         for counter in self._by_id:
             counter.remove_by_labels({ID_LABEL: logical_id})
+        by_id = set(self._by_id)
+        for metric, values in [key for key in self._children if key[0] in by_id and key[1][0] == logical_id]:
+            del self._children[metric, values]
 
     def track_restarts(self, restarts: Callable[[], dict[str, int]]) -> None:
         """``kvgate_background_restarts_total{task}``: restarts of each supervised background task (its
