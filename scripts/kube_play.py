@@ -32,6 +32,7 @@ import copy
 import io
 import json
 import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,8 +168,16 @@ def plan(docs: list[Doc], network: str, replicas: dict[str, int] | None = None) 
     return played
 
 
-def empty_dirs(played: Plan) -> list[str]:
-    return [v["name"] for p in played.pods for v in p.spec.get("volumes", []) if "emptyDir" in v]
+def pod_volumes(played: Plan) -> list[str]:
+    """The volumes podman makes for the pods: each emptyDir, and each ConfigMap's files (named after it)."""
+    names = []
+    for p in played.pods:
+        for volume in p.spec.get("volumes", []):
+            if "emptyDir" in volume:
+                names.append(volume["name"])
+            elif "configMap" in volume:
+                names.append(volume["configMap"]["name"])
+    return list(dict.fromkeys(names))
 
 
 def podman(*args: str, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -223,7 +232,7 @@ def down(played: Plan, workdir: Path) -> None:
     """Remove what ``up`` made (missing pieces are fine: a partial ``up``)."""
     for p in played.pods:
         podman("pod", "rm", "-f", "-t", "5", p.name, check=False)
-    for volume in [*played.claims, *empty_dirs(played)]:
+    for volume in [*played.claims, *pod_volumes(played)]:
         podman("volume", "rm", "-f", volume, check=False)
     for secret in played.secrets:
         podman("secret", "rm", secret["metadata"]["name"], check=False)
