@@ -12,7 +12,10 @@
   ... is not valid JSON``);
 - claims are podman volumes of the same names (pre-filled ones, e.g. the model, given by the caller);
 - an emptyDir is a podman volume named after the pod's volume (``tmp``), so pods would share it: each pod's
-  emptyDirs are renamed ``POD--VOLUME``, and removed with the pod;
+  emptyDirs are renamed ``POD--VOLUME``, and removed with the pod; a ``medium: Memory`` one is a host
+  directory of mode 1777 (``hostPath`` under the play's workdir), since podman gives a volume the owner and
+  mode of the image's own directory there (``/dev/shm``: root, 0755, where vLLM's non-root user could not
+  create its shared memory: ``PermissionError: '/psm_...'``), whatever the volume's options;
 - podman 4.3 publishes every containerPort on the host (hostPort defaults to containerPort), so two pods with
   the same port cannot start: the ports are dropped (pods are reached at their own addresses on the
   network), named probe ports made numbers first;
@@ -31,8 +34,8 @@ import base64
 import copy
 import io
 import json
+import shutil
 import subprocess
-import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +171,19 @@ def plan(docs: list[Doc], network: str, replicas: dict[str, int] | None = None) 
     return played
 
 
+def memory_dirs(played: Plan, workdir: Path) -> None:
+    """Each ``medium: Memory`` emptyDir becomes a fresh host directory of mode 1777 (see the docstring)."""
+    for p in played.pods:
+        for volume in p.spec.get("volumes", []):
+            if volume.get("emptyDir", {}).get("medium") == "Memory":
+                path = workdir / "memory" / volume["name"]
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir(parents=True)
+                path.chmod(0o1777)
+                del volume["emptyDir"]
+                volume["hostPath"] = {"path": str(path.resolve()), "type": "Directory"}
+
+
 def pod_volumes(played: Plan) -> list[str]:
     """The volumes podman makes for the pods: each emptyDir, and each ConfigMap's files (named after it)."""
     names = []
@@ -211,7 +227,8 @@ def _readable(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def up(played: Plan, workdir: Path, seeds: dict[str, tuple[Path, str]] | None = None) -> None:
-    """Create the network, secrets and claims, then play every pod (redis first: the others need it)."""
+    """Create the network, secrets and claims, then play every pod in the render's order (kvgate may start
+    before Redis answers: it exits and is restarted, as in a cluster)."""
     down(played, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     podman("network", "create", played.network)
@@ -219,6 +236,7 @@ def up(played: Plan, workdir: Path, seeds: dict[str, tuple[Path, str]] | None = 
         podman("secret", "create", secret["metadata"]["name"], "-", stdin=secret_json(secret))
     for claim in played.claims:
         podman("volume", "create", claim)
+    memory_dirs(played, workdir)
     for claim, (source, under) in (seeds or {}).items():
         seed_volume(claim, source, under)
     for p in played.pods:
@@ -237,6 +255,7 @@ def down(played: Plan, workdir: Path) -> None:
     for secret in played.secrets:
         podman("secret", "rm", secret["metadata"]["name"], check=False)
     podman("network", "rm", "-f", played.network, check=False)
+    shutil.rmtree(workdir / "memory", ignore_errors=True)
 
 
 def pod_ip(played: Plan, name: str) -> str:
