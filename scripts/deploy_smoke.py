@@ -26,8 +26,9 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-async def smoke(shape: str, fixture: Path, workdir: Path, replicas: dict[str, int]) -> None:
-    played = kube_play.plan(kube_play.render(ROOT / "deploy/local" / shape), f"kvgate-smoke-{shape}", replicas)
+async def smoke(shape: str, fixture: Path, workdir: Path, built: dict[str, str]) -> None:
+    docs = kube_play.render(ROOT / "deploy/local" / shape)
+    played = kube_play.plan(docs, f"kvgate-smoke-{shape}", namespace="smoke-", images=built)
     say(f"== {shape}: pods {', '.join(p.name for p in played.pods)}")
     say(f"   not acted on: {', '.join(played.ignored)}")
     (secret,) = played.secrets
@@ -59,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", choices=["sidecar", "ingress"])
     parser.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "deploy-smoke")
     args = parser.parse_args(argv)
+    built: dict[str, str] = {}
     for name in ("kvgate", "redis", "vllm"):
-        say(f"image {images.build(name, quiet=True)} (from this tree, layer cache)")
+        tag = images.IMAGES[name].tag
+        built[tag] = images.build(name, quiet=True)
+        say(f"image {tag}: {built[tag][:12]} (from this tree, layer cache)")
     failed = False
     for shape in args.shape or ["sidecar", "ingress"]:
         try:
-            asyncio.run(smoke(shape, args.fixture_dir.resolve(), args.workdir, {}))
+            asyncio.run(smoke(shape, args.fixture_dir.resolve(), args.workdir, built))
         except pod_scenario.ScenarioFailed as error:
             say(f"   {shape}: FAILED: {error}")
             failed = True

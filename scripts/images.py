@@ -110,35 +110,26 @@ def ensure_base() -> None:
 
 
 def build(name: str, *, quiet: bool = False) -> str:
-    """Builds image ``name`` from this tree (layer cache on) and returns its tag."""
+    """Builds image ``name`` from this tree (layer cache on), tags it, and returns its image ID: what a
+    test runs, since another tree on this machine may tag the same name meanwhile."""
     image = IMAGES[name]
     ensure_base()
-    if name == "stub":  # on kvgate's image: this tree's, never one left in the store
-        build("kvgate", quiet=quiet)
     # docker format: an OCI image has no HEALTHCHECK (buildah drops it with a warning).
-    args = [
-        "build",
-        "--format",
-        "docker",
-        "--layers",
-        "--network",
-        "host",
-        "--build-arg",
-        f"BASE={BASE}",
-        "-t",
-        image.tag,
-    ]
-    args += ["-f", str(ROOT / image.containerfile)]
+    args = ["build", "--format", "docker", "--layers", "--network", "host", "--build-arg", f"BASE={BASE}"]
+    if name == "stub":  # on kvgate's image: this tree's, never one left in the store
+        args += ["--build-arg", f"KVGATE={build('kvgate', quiet=quiet)}"]
+    args += ["-t", image.tag, "-f", str(ROOT / image.containerfile)]
     if image.ignorefile:
         args += ["--ignorefile", str(ROOT / image.ignorefile)]
     if image.pip:
         args += pip_mounts()
-    done = podman(*args, str(ROOT), check=False, quiet=quiet)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"podman {' '.join(args)} failed:\n{(done.stdout or '')[-3000:]}{done.stderr or ''}"
-        )
-    return image.tag
+    with tempfile.TemporaryDirectory(prefix="kvgate-build-") as scratch:
+        iidfile = Path(scratch) / "iid"
+        done = podman(*args, "--iidfile", str(iidfile), str(ROOT), check=False, quiet=quiet)
+        if done.returncode != 0:
+            output = (done.stdout or "")[-3000:] + (done.stderr or "")
+            raise RuntimeError(f"podman {' '.join(args)} failed:\n{output}")
+        return iidfile.read_text().strip().removeprefix("sha256:")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", choices=sorted(IMAGES), help="kvgate (always), redis, stub, vllm")
     args = parser.parse_args(argv)
     for name in dict.fromkeys(["kvgate", *args.names]):
-        print(f"built {build(name)}", flush=True)
+        print(f"built {IMAGES[name].tag} ({build(name)[:12]})", flush=True)
     return 0
 
 

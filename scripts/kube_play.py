@@ -65,6 +65,7 @@ class PlayedPod:
 @dataclass
 class Plan:
     network: str
+    namespace: str = ""  # prefixed to every podman object's name (pods, volumes, secrets), never to DNS names
     pods: list[PlayedPod] = field(default_factory=list)
     config_maps: list[Doc] = field(default_factory=list)
     secrets: list[Doc] = field(default_factory=list)
@@ -72,7 +73,8 @@ class Plan:
     ignored: list[str] = field(default_factory=list)
 
     def pod(self, name: str) -> PlayedPod:
-        (found,) = [p for p in self.pods if p.name == name]
+        """The pod the render calls ``name`` (its podman name has the namespace in front)."""
+        (found,) = [p for p in self.pods if p.name == self.namespace + name]
         return found
 
 
@@ -143,9 +145,45 @@ def _pod_local(pod: PlayedPod) -> PlayedPod:
     return pod
 
 
-def plan(docs: list[Doc], network: str, replicas: dict[str, int] | None = None) -> Plan:
-    """What to create, from the rendered objects; ``replicas`` overrides a Deployment's count (memory)."""
-    played = Plan(network)
+def _in_namespace(played: Plan) -> None:
+    """Every podman object's name gets the namespace (two plays side by side, e.g. two ``make test`` runs on
+    one machine, never share a pod, volume or secret); hostnames and network aliases keep the render's."""
+    ns = played.namespace
+    for doc in [*played.config_maps, *played.secrets]:
+        doc["metadata"]["name"] = ns + doc["metadata"]["name"]
+    played.claims = [ns + claim for claim in played.claims]
+    for pod in played.pods:
+        pod.name = ns + pod.name
+        for volume in pod.spec.get("volumes", []):
+            for kind, key in (
+                ("persistentVolumeClaim", "claimName"),
+                ("configMap", "name"),
+                ("secret", "secretName"),
+            ):
+                if kind in volume:
+                    volume[kind][key] = ns + volume[kind][key]
+        for container in [*pod.spec.get("initContainers", []), *pod.spec["containers"]]:
+            for source in container.get("envFrom", []):
+                for ref in source.values():
+                    ref["name"] = ns + ref["name"]
+            for env in container.get("env", []):
+                for kind in ("secretKeyRef", "configMapKeyRef"):
+                    if kind in env.get("valueFrom", {}):
+                        env["valueFrom"][kind]["name"] = ns + env["valueFrom"][kind]["name"]
+
+
+def plan(
+    docs: list[Doc],
+    network: str,
+    replicas: dict[str, int] | None = None,
+    namespace: str = "",
+    images: dict[str, str] | None = None,
+) -> Plan:
+    """What to create, from the rendered objects; ``replicas`` overrides a Deployment's count (memory);
+    ``images`` maps the rendered image names to the IDs just built (scripts/images.py: a tag is shared with
+    every other tree on the machine)."""
+    played = Plan(network, namespace)
+    docs = copy.deepcopy(docs)
     headless = {
         d["metadata"]["name"] for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"
     }
@@ -165,6 +203,10 @@ def plan(docs: list[Doc], network: str, replicas: dict[str, int] | None = None) 
             played.ignored.append(f"{kind}/{name}")
         else:
             raise ValueError(f"{kind}/{name}: podman kube play here has no way to act on it")
+    _in_namespace(played)
+    for pod in played.pods:
+        for container in [*pod.spec.get("initContainers", []), *pod.spec["containers"]]:
+            container["image"] = (images or {}).get(container["image"], container["image"])
     played.pods = [_pod_local(p) for p in played.pods]
     for p in played.pods:
         played.claims += [c for c in _claims_of(p.spec) if c not in played.claims]
@@ -249,7 +291,7 @@ def up(played: Plan, workdir: Path, seeds: dict[str, tuple[Path, str]] | None = 
 def down(played: Plan, workdir: Path) -> None:
     """Remove what ``up`` made (missing pieces are fine: a partial ``up``)."""
     for p in played.pods:
-        podman("pod", "rm", "-f", "-t", "5", p.name, check=False)
+        podman("pod", "rm", "-f", "-t", "2", p.name, check=False)
     for volume in [*played.claims, *pod_volumes(played)]:
         podman("volume", "rm", "-f", volume, check=False)
     for secret in played.secrets:

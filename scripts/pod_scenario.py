@@ -54,10 +54,10 @@ class Pods:
     def master(self) -> str:
         """The Redis pod the sentinels name as master now (asked in the first Redis pod that answers)."""
         for pod in ("redis-0", "redis-1", "redis-2"):
-            done = podman("exec", f"{pod}-sentinel", "redis-cli", "-p", "26379", "--raw", "sentinel",
-                          "get-master-addr-by-name", "kvgate", check=False)  # fmt: skip
+            ask = ("redis-cli", "-p", "26379", "--raw", "sentinel", "get-master-addr-by-name", "kvgate")
+            done = podman("exec", f"{self.played.namespace}{pod}-sentinel", *ask, check=False)
             if done.returncode == 0 and done.stdout.strip():
-                return done.stdout.decode().split()[0].split(".")[0]
+                return self.played.namespace + done.stdout.decode().split()[0].split(".")[0]
         raise ScenarioFailed("no sentinel names a master")
 
 

@@ -40,7 +40,8 @@ def volumes(tmp_path: Path) -> dict[str, Path]:
 def kvgate_options(volumes: dict[str, Path], adapter: Path, *env: str) -> tuple[str, ...]:
     settings = ["KVGATE_REPLICAS=http://127.0.0.1:8000", "KVGATE_DATA_DIR=/tmp/kvgate",
                 "KVGATE_STORE=/adapters", "KVGATE_ADMIN_PORT=9090", "KVGATE_ADMIN_HOST=0.0.0.0",
-                f"KVGATE_ADMIN_TOKEN={TOKEN}", "KVGATE_POLL_INTERVAL=0.5", "KVGATE_SHUTDOWN_TIMEOUT=30", *env]  # fmt: skip
+                f"KVGATE_ADMIN_TOKEN={TOKEN}", "KVGATE_POLL_INTERVAL=0.5", "KVGATE_SHUTDOWN_TIMEOUT=30",
+                *env]  # fmt: skip
     return (
         *RESTRICTED,
         *[f"--env={setting}" for setting in settings],

@@ -47,8 +47,8 @@ def test_the_played_pods_are_the_rendered_workloads(played: kube_play.Plan) -> N
         "redis-2",
     ]
     assert played.pod("redis-1").aliases == ["redis-1", "redis-1.redis-headless"]
-    assert "data-redis-2" in played.claims
-    assert "kvgate-adapters" in played.claims
+    assert f"{played.namespace}data-redis-2" in played.claims
+    assert f"{played.namespace}kvgate-adapters" in played.claims
     assert sorted(played.ignored) == sorted([
         "ServiceAccount/kvgate", "ServiceAccount/redis", "ServiceAccount/vllm", "Service/kvgate",
         "Service/kvgate-admin", "Service/redis-headless", "PodDisruptionBudget/kvgate",
