@@ -279,8 +279,8 @@ def up(played: Plan, workdir: Path, seeds: dict[str, tuple[Path, str]] | None = 
     for claim in played.claims:
         podman("volume", "create", claim)
     memory_dirs(played, workdir)
-    for claim, (source, under) in (seeds or {}).items():
-        seed_volume(claim, source, under)
+    for claim, (source, under) in (seeds or {}).items():  # claims by the render's names
+        seed_volume(played.namespace + claim, source, under)
     for p in played.pods:
         path = workdir / f"{p.name}.yaml"
         path.write_text(p.manifest(played.config_maps))
