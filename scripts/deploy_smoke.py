@@ -20,6 +20,7 @@ from pathlib import Path
 from scripts import images, kube_play, pod_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
+STATE = "exit {{.State.ExitCode}}, OOM-killed {{.State.OOMKilled}}, restarts {{.RestartCount}}"
 
 
 def say(line: str) -> None:
@@ -43,12 +44,22 @@ async def smoke(shape: str, fixture: Path, workdir: Path, built: dict[str, str])
         await pod_scenario.run(pods, v1, v2, within=900)
         say(f"   {shape}: passed in {time.monotonic() - started:.0f} s")
     except BaseException:
+        logs = workdir / shape / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
         for p in played.pods:
             for container in ("kvgate", "vllm", "redis", "sentinel"):
-                done = kube_play.podman("logs", "--tail", "20", f"{p.name}-{container}", check=False)
-                text = (done.stdout + done.stderr).decode(errors="replace").strip()
-                if text and "no container with name" not in text:
-                    say(f"--- {p.name}-{container}\n{text}")
+                name = f"{p.name}-{container}"
+                done = kube_play.podman("logs", name, check=False)
+                if done.returncode != 0:
+                    continue
+                text = (done.stdout + done.stderr).decode(errors="replace")
+                (logs / f"{name}.log").write_text(text)
+                state = (
+                    kube_play.podman("inspect", "--format", STATE, name, check=False).stdout.decode().strip()
+                )
+                errors = [line for line in text.splitlines() if "Error" in line or "ERROR" in line][-8:]
+                say(f"--- {name} ({state}; whole log in {logs / name}.log)")
+                say("\n".join(errors or text.splitlines()[-8:]))
         raise
     finally:
         kube_play.down(played, workdir / shape)

@@ -31,8 +31,10 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_play.Plan]
         kube_play.render(ROOT / "deploy/local/sidecar-stub"), f"kvgate-test-{secrets.token_hex(3)}"
     )
     workdir = tmp_path_factory.mktemp("kube-play")
+    model = tmp_path_factory.mktemp("model")
+    (model / "config.json").write_text('{"model_type": "llama"}')  # the stub reads nothing: it is listed
     try:
-        kube_play.up(plan, workdir)
+        kube_play.up(plan, workdir, {"vllm-models": (model, "base")})
         yield plan
     finally:
         kube_play.down(plan, workdir)
@@ -54,6 +56,10 @@ def test_the_played_pods_are_the_rendered_workloads(played: kube_play.Plan) -> N
         "Service/kvgate-admin", "Service/redis-headless", "PodDisruptionBudget/kvgate",
         "PodDisruptionBudget/redis", "ServiceMonitor/kvgate", "NetworkPolicy/vllm-only-from-kvgate",
     ])  # fmt: skip
+    seen = kube_play.podman(
+        "exec", f"{played.namespace}vllm-kvgate-1-vllm", "cat", "/models/base/config.json"
+    )
+    assert seen.stdout == b'{"model_type": "llama"}', "claim vllm-models, filled before the play, at /models"
     (secret,) = played.secrets
     token = base64.b64decode(kube_play.secret_json(secret).decode().split('"')[3]).decode()
     assert token == secret["stringData"]["token"]
