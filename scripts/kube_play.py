@@ -290,8 +290,8 @@ def up(played: Plan, workdir: Path, seeds: dict[str, tuple[Path, str]] | None = 
 
 def down(played: Plan, workdir: Path) -> None:
     """Remove what ``up`` made (missing pieces are fine: a partial ``up``)."""
-    for p in played.pods:
-        podman("pod", "rm", "-f", "-t", "2", p.name, check=False)
+    for p in played.pods:  # one by one: podman 4.3 refuses the whole list when one pod is missing
+        podman("pod", "rm", "-f", "-t", "0", p.name, check=False)
     for volume in [*played.claims, *pod_volumes(played)]:
         podman("volume", "rm", "-f", volume, check=False)
     for secret in played.secrets:
