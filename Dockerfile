@@ -1,20 +1,30 @@
-# kvgate's image. The builder makes the wheel from this tree; the final stage installs it with
-# deploy/image/install.sh (the same script tests/test_image.py runs in a clean virtualenv: no container
-# engine runs here) and keeps no compiler or build tool. Kubernetes: deploy/ and docs/deploy.md.
+# kvgate's image. The builder makes the wheel from this tree; the final stage installs it into a virtualenv
+# with deploy/image/install.sh (the same script tests/test_image.py runs in a clean virtualenv) and keeps no
+# compiler or build tool. BASE is any image with Python 3.11 (python3, venv, pip): the official one by
+# default; `make image` builds it on a Debian base made with mmdebstrap (scripts/images.py, docs/deploy.md).
 #   docker build -t kvgate:0.1.0 .
+#   podman build --build-arg BASE=localhost/kvgate-debian:bookworm -t localhost/kvgate:dev .
+# PIP_CERT and PIP_FIND_LINKS, when given, reach pip in the RUN steps (a private trust store, a local wheel
+# folder mounted into the build); they are not kept in the image's environment.
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE} AS build
+ARG PIP_CERT
+ARG PIP_FIND_LINKS
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY lua lua
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN python3 -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+FROM ${BASE}
+ARG PIP_CERT
+ARG PIP_FIND_LINKS
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PATH=/opt/kvgate/bin:$PATH
 COPY --from=build /wheels /wheels
 COPY deploy/image/install.sh /usr/local/lib/kvgate/install.sh
-RUN sh /usr/local/lib/kvgate/install.sh /wheels \
+RUN python3 -m venv /opt/kvgate \
+    && sh /usr/local/lib/kvgate/install.sh /wheels \
     && rm -rf /wheels \
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/kvgate --create-home kvgate
 USER 10001:10001

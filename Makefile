@@ -10,7 +10,7 @@ PIP_QUIET   := --quiet --disable-pip-version-check
 
 .PHONY: demo test lint typecheck setup clean loadtest-invalidation loadtest-proxy loadtest-stacks loadtest-routing apt-redis apt-chromium chaos chaos-spread
 
-setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done $(OTHER_BASE)/.done apt-redis apt-chromium
+setup: $(VENV)/.done $(VLLM_VENV)/.done $(FIXTURE_DIR)/.done $(OTHER_BASE)/.done apt-redis apt-chromium apt-podman
 
 # Debian's redis-server and redis-sentinel: the failover tests start their own masters, replicas, sentinels
 # and cluster nodes on free ports (never the system service's 6379/26379). Installed only when missing: the
@@ -24,6 +24,28 @@ apt-redis:
 apt-chromium:
 	(command -v chromium && command -v chromedriver) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
+
+# Debian's podman, runc and mmdebstrap: kvgate's images are built and run, and the manifests played as pods,
+# with podman (tests/test_container_image.py, tests/test_pods.py, make image, make deploy-smoke; docs/deploy.md).
+# Installed only when missing, like apt-redis.
+apt-podman:
+	(command -v podman && command -v runc && command -v mmdebstrap) >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap)
+
+# Every image, with podman (deploy/image/containers.conf): the Debian base (mmdebstrap, once: kept while
+# podman's store has it), kvgate's (the Dockerfile), Redis, the stub replica and the vLLM CPU build (~4 GB).
+# Layer-cached: an unchanged tree rebuilds nothing. `make image IMAGES=kvgate` for kvgate's alone.
+IMAGES ?= kvgate redis stub vllm
+.PHONY: image deploy-smoke apt-podman
+image: $(VENV)/.done apt-podman
+	$(PY) -m scripts.images $(IMAGES)
+
+# The manifests as pods with the real vLLM CPU image: the sidecar shape (two pods of vLLM + kvgate), then the
+# ingress shape (two vLLM pods, three kvgate pods), each with the Redis StatefulSet's three pods; a completion
+# through kvgate's container port, publish/rollback/bump through redis-cli, a Redis master failover
+# (scripts/deploy_smoke.py). Minutes; under the shared vLLM lock (each vLLM pod is ~3 GB).
+deploy-smoke: setup
+	flock /tmp/kvgate-vllm.lock $(PY) -m scripts.deploy_smoke --fixture-dir $(abspath $(FIXTURE_DIR))
 
 # kvgate itself, its tests, linter and type checker (light: no torch here).
 $(VENV)/.done: pyproject.toml

@@ -21,6 +21,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -41,6 +42,7 @@ class StubState:
     received_headers: list[dict[str, str]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     fail_loads: str | None = None
+    check_paths: bool = False  # as vLLM: a load whose lora_path holds no adapter_config.json is a 404
     load_delay: float = 0.0  # seconds a load takes
     load_requests: int = 0  # load requests received (answered or not)
     busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
@@ -97,6 +99,9 @@ async def _load(request: web.Request) -> web.Response:
         return web.json_response(
             {"error": {"message": state.fail_loads, "type": "NotFoundError"}}, status=404
         )
+    if state.check_paths and not (Path(body["lora_path"]) / "adapter_config.json").is_file():
+        msg = f"No adapter found for {body['lora_path']}"
+        return web.json_response({"error": {"message": msg, "type": "NotFoundError"}}, status=404)
     if body["lora_name"] in state.adapters:
         msg = f"The lora adapter '{body['lora_name']}' has already been loaded."
         return web.json_response({"error": {"message": msg, "type": "InvalidUserInput"}}, status=400)

