@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ SCHEMES = ("s3://",)
 PART_BYTES = 8 << 20  # multipart above this, in parts of this size
 _READ = 1 << 20
 TOUCHED = ".touched/"
+INCOMING = ".incoming/"  # large files on their way up, each under a random key, copied into place
 Client = S3Store
 
 
@@ -67,18 +69,11 @@ def open_client(url: str) -> Client:
         "timeout": datetime.timedelta(seconds=300),
     }
     try:
-        return S3Store.from_url(url, client_options=options, retry_config=retry)
+        return S3Store.from_url(
+            url, client_options=options, retry_config=retry, copy_if_not_exists="multipart"
+        )
     except BaseError as exc:
         raise StoreUnavailable(f"cannot open the object store {url}: {_first_line(exc)}") from None
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``s3://BUCKET/PREFIX`` -> (``s3://BUCKET``, ``PREFIX``) with no trailing slash."""
-    scheme, _, rest = url.partition("://")
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise InvalidAdapter(f"{url!r} names no bucket", param="store")
-    return f"{scheme}://{bucket}", prefix.strip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,23 +212,56 @@ class ObjectStore:
     # --- the calls, each error a StoreUnavailable naming what failed --------------------------------
 
     def _upload(self, source: Path, digest: str, item: FileEntry, progress: Progress | None) -> None:
+        """A small file is one conditional PUT. A large one goes up in parts to a key of its own under
+        ``.incoming/``, and is then copied to its place conditionally (a multipart copy whose completion
+        carries ``If-None-Match: *``): the client library sends no condition on a multipart upload."""
         key = f"{digest}/{item.relpath}"
         check = blake3(max_threads=blake3.AUTO)
+        chunks = _chunks(source / item.relpath, item.size, check, progress)
+        staged = f"{INCOMING}{secrets.token_hex(8)}" if item.size > PART_BYTES else None
         try:
-            self._put(key, _chunks(source / item.relpath, item.size, check, progress))
+            if staged is None:
+                self._put(key, chunks)
+            else:
+                self._call(f"writing {self.url}/{staged}", obstore.put, self.client, staged, chunks,
+                           use_multipart=True, chunk_size=PART_BYTES, max_concurrency=4)  # fmt: skip
+            if check.hexdigest() != item.blake3:
+                if staged is None:
+                    self._delete(key)
+                raise InvalidAdapter(f"{item.relpath!r} changed while it was being uploaded")
+            if staged is not None:
+                self._call(
+                    f"writing {self.url}/{key}", obstore.copy, self.client, staged, key, overwrite=False
+                )
         except AlreadyExistsError:  # left by an earlier publish that stopped: it must hold these bytes
             if self._hash_object(key) != item.blake3:
                 raise StoreUnavailable(
                     f"{self.url}/{key} exists with other bytes (never overwritten): remove it, publish again"
                 ) from None
-            return
-        if check.hexdigest() != item.blake3:
-            self._delete(key)
-            raise InvalidAdapter(f"{item.relpath!r} changed while it was being uploaded")
+        finally:
+            if staged is not None:
+                self._delete(staged)
 
-    def _put(self, key: str, data: bytes | Iterator[bytes]) -> None:
+    def _call(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            obstore.put(self.client, key, data, mode="create", chunk_size=PART_BYTES, max_concurrency=4)
+            call(*args, **kwargs)
+        except AlreadyExistsError:
+            raise
+        except BaseError as exc:
+            raise StoreUnavailable(f"{what} failed: {_first_line(exc)}") from None
+
+    def _put(self, key: str, data: bytes | Iterator[bytes], *, parts: bool = False) -> None:
+        """Write KEY only if it does not exist (``If-None-Match: *``, on the multipart completion too)."""
+        try:
+            obstore.put(
+                self.client,
+                key,
+                data,
+                mode="create",
+                use_multipart=parts,
+                chunk_size=PART_BYTES,
+                max_concurrency=4,
+            )
         except AlreadyExistsError:
             raise
         except BaseError as exc:
