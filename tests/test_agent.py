@@ -56,11 +56,17 @@ def agent(s3_url: str, tmp_path: Path, stub_state: StubState) -> Agent:
 
 
 async def ask(url: str, digest: str, token: str = TOKEN) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http:
-        async with http.post(
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
             f"{url}/v1/fetch", json={"digest": digest}, headers={"Authorization": f"Bearer {token}"}
-        ) as r:
-            return r.status, await r.json()
+        ) as r,
+    ):
+        return r.status, await r.json()
+
+
+def mount(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=30)
 
 
 def leftovers(root: Path) -> list[str]:
@@ -149,7 +155,7 @@ async def test_a_full_disk_is_refused_with_no_partial_directory(
     """A real full file system: a 256 KiB tmpfs (the tests run as root, as CI does)."""
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    mount(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
     try:
         stored = ObjectStore(s3_url).ingest(make_adapter(os.urandom(1 << 20)))
         async with agent(root=small) as (url, fetcher):
@@ -159,7 +165,7 @@ async def test_a_full_disk_is_refused_with_no_partial_directory(
             assert fetcher.counts["disk-full"] == 1
         assert list(small.iterdir()) == []
     finally:
-        subprocess.run(["umount", str(small)], check=True)
+        mount(["umount", str(small)])
 
 
 async def test_the_disk_budget_evicts_the_least_recently_asked_never_a_loaded_one(

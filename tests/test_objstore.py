@@ -99,7 +99,7 @@ def test_max_adapter_bytes_is_enforced_before_upload(s3_url: str, make_adapter: 
 def test_an_unreachable_store_is_a_clear_error(make_adapter: MakeAdapter, s3: S3Server) -> None:
     with environment({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}):
         store = ObjectStore("s3://nowhere/store")
-    with pytest.raises(StoreUnavailable, match="reading s3://nowhere/store/.*error sending request"):
+    with pytest.raises(StoreUnavailable, match=r"reading s3://nowhere/store/.*error sending request"):
         store.ingest(make_adapter(b"v1"))
 
 
@@ -204,5 +204,6 @@ async def test_publish_from_an_s3_prefix_over_the_limit_downloads_nothing(
         "1000",
         redis=redis_server,
     )
-    assert code != 0 and "over max_adapter_bytes" in err, err
+    assert code != 0, err
+    assert "over max_adapter_bytes" in err, err
     assert keys(ObjectStore(s3_url)) == []
