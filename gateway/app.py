@@ -196,7 +196,6 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             max_connections=settings.max_connections_per_replica,
             pool_wait=settings.pool_wait_timeout,
             agents=settings.agent_map,
-            agent_root=settings.agent_root,
         )
         app[BASE_PRINTS] = BasePrints(
             app[POOL],

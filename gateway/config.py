@@ -51,8 +51,9 @@ class Settings(BaseSettings):
     store ``s3://BUCKET/PREFIX`` (endpoint, region, credentials from the ``AWS_*`` environment) that each
     replica's ``kvgate agent`` fetches from (``replica_agents``)."""
     replica_agents: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """``REPLICA_URL=AGENT_URL``: the ``kvgate agent`` beside a replica, asked for a version's bytes before
-    each load there (flag: repeat it; environment: comma-separated). Needed with an object store."""
+    """``REPLICA_URL=AGENT_URL[|ROOT]``: the ``kvgate agent`` beside a replica, asked for a version's bytes
+    before each load there, and where that replica sees the agent's directory (default ``agent_root``)
+    (flag: repeat it; environment: comma-separated). Needed with an object store."""
     agent_root: str = "/adapters"
     """Where every replica sees its agent's local directory (``agent_dir`` mounted in the vLLM container)."""
     agent_token: SecretStr | None = None
@@ -214,7 +215,7 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         form = {"kv_event_endpoints": "REPLICA_URL=tcp://HOST:PORT", "base_model_dirs": "NAME=PATH",
-                "replica_agents": "REPLICA_URL=AGENT_URL"}[str(info.field_name)]  # fmt: skip
+                "replica_agents": "REPLICA_URL=AGENT_URL[|ROOT]"}[str(info.field_name)]  # fmt: skip
         for entry in value if isinstance(value, list) else []:
             key, _, rest = str(entry).partition("=")
             ok = (
@@ -234,12 +235,13 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def agent_map(self) -> dict[str, str]:
-        """Replica URL -> its agent's URL (``replica_agents``)."""
-        return {
-            url.rstrip("/"): agent.rstrip("/")
-            for url, _, agent in (e.partition("=") for e in self.replica_agents)
-        }
+    def agent_map(self) -> dict[str, tuple[str, str]]:
+        """Replica URL -> (its agent's URL, where the replica sees the agent's directory)."""
+        found = {}
+        for url, _, rest in (entry.partition("=") for entry in self.replica_agents):
+            agent, _, root = rest.partition("|")
+            found[url.rstrip("/")] = (agent.rstrip("/"), (root or self.agent_root).rstrip("/"))
+        return found
 
     @property
     def base_model_dir_map(self) -> dict[str, Path]:

@@ -59,7 +59,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "port": ("9100", 9100),
     "replicas": ("http://r1:8000/", ["http://r0:8000", "http://r1:8000"]),  # after --replica http://r0:8000
     "store": ("s3://bucket/adapters", "s3://bucket/adapters"),
-    "replica_agents": ("http://r0:8000=http://a0:8100", ["http://r0:8000=http://a0:8100"]),
+    "replica_agents": ("http://r0:8000=http://a0:8100|/mnt/a0", ["http://r0:8000=http://a0:8100|/mnt/a0"]),
     "agent_root": ("/mnt/adapters", "/mnt/adapters"),
     "agent_dir": ("/var/adapters", Path("/var/adapters")),
     "agent_host": ("0.0.0.0", "0.0.0.0"),

@@ -235,7 +235,11 @@ def _publish(staging: Path, final: Path) -> None:
     for directory in {staging, *(p.parent for p in staging.rglob("*"))}:
         os.chmod(directory, DIR_MODE)
     _fsync(staging)
-    os.rename(staging, final)
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # another agent on this volume renamed the same verified bytes first
+            raise
     _fsync(final.parent)
 
 

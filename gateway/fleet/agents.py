@@ -64,7 +64,10 @@ async def ready_path(
             else:
                 path = answers.agent_path(answers.json_of(body), digest)
                 if path != expected:
-                    outcome, detail = "wrong-path", f"it answered {path!r}, not {expected!r} (agent_root)"
+                    outcome, detail = (
+                        "wrong-path",
+                        f"it answered {path!r}, not {expected!r} (agent_root, replica_agents)",
+                    )
     except MalformedAnswer as exc:
         outcome, detail = "malformed", exc.reason
     except (aiohttp.ClientError, TimeoutError) as exc:

@@ -163,18 +163,17 @@ class ReplicaPool:
         base_with_root: bool,
         max_connections: int = 0,
         pool_wait: float = 0.0,
-        agents: dict[str, str] | None = None,
-        agent_root: str = "",
+        agents: dict[str, tuple[str, str]] | None = None,
     ) -> None:
         """``max_connections``: per replica, 0 for no limit; ``pool_wait``: seconds to wait for one;
-        ``agents``: replica URL -> its agent's URL; ``agent_root``: where replicas see agents' copies."""
+        ``agents``: replica URL -> (its agent's URL, where the replica sees the agent's directory)."""
         self.replicas = [
             Replica(url, base_with_root=base_with_root, max_connections=max_connections, pool_wait=pool_wait)
             for url in urls
         ]
         for replica in self.replicas:
-            replica.agent = (agents or {}).get(replica.url)
-            replica.agent_root = agent_root.rstrip("/")
+            if replica.url in (agents or {}):
+                replica.agent, replica.agent_root = (agents or {})[replica.url]
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root
