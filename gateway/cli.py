@@ -23,6 +23,7 @@ import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
 
+from gateway.adapters.objstore import is_object_url
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.source import local_source
 from gateway.adapters.stores import open_store
@@ -177,6 +178,11 @@ async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: Tracer
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
+    if is_object_url(settings.store) and (alone := sorted(set(settings.replicas) - set(settings.agent_map))):
+        raise KvgateError(
+            f"the store is an object store: every replica needs a kvgate agent (replica_agents); "
+            f"none for {', '.join(alone)}"
+        )
     for warning in unknown_environment(os.environ):
         logging.getLogger("gateway").warning("%s", warning)
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # every background task's

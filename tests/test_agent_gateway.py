@@ -6,6 +6,8 @@ never loaded. The replica is the stub backend; the agent and the S3 server are r
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -99,3 +101,17 @@ async def _until_current(url: str, digest: str) -> None:
             return bool(status["versions"]["tenant-42"]["digest"] == digest)
 
         await eventually(current, f"{digest[:16]} is current in kvgate's snapshot")
+
+
+def test_serve_refuses_an_object_store_with_a_replica_without_an_agent(tmp_path: Path) -> None:
+    """Fail closed: vLLM cannot read s3:// itself, so a replica without an agent could never load."""
+    answer = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--store", "s3://bucket/store",
+         "--data-dir", str(tmp_path),
+         "--replica", "http://127.0.0.1:9001", "--replica", "http://127.0.0.1:9002",
+         "--replica-agents", "http://127.0.0.1:9001=http://127.0.0.1:9101"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert answer.returncode != 0
+    assert "every replica needs a kvgate agent" in answer.stderr, answer.stderr
+    assert "none for http://127.0.0.1:9002" in answer.stderr, answer.stderr
