@@ -121,7 +121,10 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         cells = {}
         for url in replicas:
             held = sorted(name for name in loaded[url] if name.startswith(f"{state.logical_id}@"))
-            current = loaded[url].get(state.name) == state.path
+            root = loaded[url].get(state.name)
+            current = root == state.path or (  # with an object store: the replica's agent's verified copy
+                root is not None and "://" in state.path and root.rpartition("/")[2] == state.digest
+            )
             cells[url] = {"loaded": held, "current": current, "mismatch": any(n != state.name for n in held)}
         rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
                      "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),

@@ -5,10 +5,13 @@ never loaded. The replica is the stub backend; the agent and the S3 server are r
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import obstore
@@ -24,6 +27,7 @@ from gateway.config import Settings
 from gateway.core.wire import ADMIN_TOKEN_HEADER
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
+from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
@@ -40,7 +44,7 @@ def fetches(metrics: Metrics, replica: str, outcome: str) -> float:
 
 
 async def test_a_replica_loads_its_agents_verified_copy_and_a_tampered_version_is_a_503(
-    redis: Redis, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path
+    redis: Redis, redis_server: EmbeddedRedis, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:
     table = EpochTable(redis)
     store = ObjectStore(s3_url)
@@ -66,6 +70,8 @@ async def test_a_replica_loads_its_agents_verified_copy_and_a_tampered_version_i
                     assert state.adapters[v1.name] == f"{local}/{v1.digest}", "loaded from the agent's copy"
                     assert (local / v1.digest / "adapter_model.safetensors").is_file()
                     assert fetches(metrics, stub, "ready") == 1
+                    status = await _cli_status(redis_server, s3_url)
+                    assert status["logical_ids"][0]["loaded_on"] == [stub], "kvgate status sees it loaded"
 
                     v2 = await publish_adapter(
                         table, store, "tenant-42", make_adapter(os.urandom(50_000)), "base"
@@ -89,6 +95,18 @@ async def test_a_replica_loads_its_agents_verified_copy_and_a_tampered_version_i
                     assert v2.name not in state.adapters, "never loaded"
                     assert not (local / v2.digest).exists()
                     assert not [p for p in local.iterdir() if p.name.startswith(".")], "no partial directory"
+
+
+async def _cli_status(redis_server: EmbeddedRedis, store: str) -> dict[str, Any]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "status", "--json", "--store", store,
+        "--redis-url", redis_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, err.decode()
+    doc: dict[str, Any] = json.loads(out)
+    return doc
 
 
 async def _until_current(url: str, digest: str) -> None:
