@@ -186,6 +186,8 @@ async def test_the_cli_publishes_from_a_directory_and_from_s3_then_rolls_back_an
     kept = {e["digest"]: e["kept_because"] for e in json.loads(out)["entries"]}
     assert "current" in kept[v1["digest"]]
     assert "young" in kept[v2["digest"]]
+    sizes = {e["digest"]: e["bytes"] for e in json.loads(out)["entries"]}
+    assert sizes[v2["digest"]] == sum(p.stat().st_size for p in second.rglob("*") if p.is_file())
 
 
 async def test_publish_from_an_s3_prefix_over_the_limit_downloads_nothing(

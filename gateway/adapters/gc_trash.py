@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import AdapterStore
+from gateway.core.errors import StoreUnavailable
 
 TRASH_PREFIX = ".gc-"
 
@@ -51,8 +52,8 @@ class Trash:
         if isinstance(self.store, ObjectStore):
             try:
                 raw = self.store.manifest_bytes(digest)
-            except Exception:
-                return  # another gc took it
+            except StoreUnavailable:
+                return  # another gc took it (or the store cannot say: leave it)
             self.store.delete_manifest(digest)
             self.taken[digest] = (path, raw)
             return

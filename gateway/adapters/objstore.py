@@ -161,8 +161,9 @@ class ObjectStore:
 
     def versions(self) -> list[StoredVersion]:
         """Every version in the store (its manifest), with its age and size, for ``kvgate gc``."""
-        found: dict[str, tuple[float, int]] = {}
+        found: dict[str, float] = {}
         touched: dict[str, float] = {}
+        sizes: dict[str, int] = {}
         try:
             for batch in obstore.list(self.client, chunk_size=1000):
                 for meta in batch:
@@ -171,12 +172,14 @@ class ObjectStore:
                     if key.startswith(TOUCHED):
                         touched[key.removeprefix(TOUCHED)] = when
                     elif key.endswith(".json") and _is_digest(key[:-5]):
-                        found[key[:-5]] = (when, 0)
+                        found[key[:-5]] = when
+                    elif (head := key.partition("/")[0]) != key:
+                        sizes[head] = sizes.get(head, 0) + int(meta["size"])
         except BaseError as exc:
             raise StoreUnavailable(f"cannot list the object store {self.url}: {_first_line(exc)}") from None
         return [
-            StoredVersion(d, self.path_for(d), max(when, touched.get(d, 0.0)), size)
-            for d, (when, size) in sorted(found.items())
+            StoredVersion(d, self.path_for(d), max(when, touched.get(d, 0.0)), sizes.get(d, 0))
+            for d, when in sorted(found.items())
         ]
 
     def modified(self, digest: str) -> float:

@@ -45,7 +45,7 @@ async def ready_path(
     """The verified local directory REPLICA loads VERSION from, or ``AdapterNotReady``."""
     if replica.agent is None:
         return version.path
-    digest = version.path.rstrip("/").rpartition("/")[2]
+    digest = version.digest
     expected = replica.root_for(version.path)
     outcome, detail = "ready", ""
     try:
