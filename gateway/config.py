@@ -52,8 +52,9 @@ class Settings(BaseSettings):
     replica's ``kvgate agent`` fetches from (``replica_agents``)."""
     replica_agents: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """``REPLICA_URL=AGENT_URL[|ROOT]``: the ``kvgate agent`` beside a replica, asked for a version's bytes
-    before each load there, and where that replica sees the agent's directory (default ``agent_root``)
-    (flag: repeat it; environment: comma-separated). Needed with an object store."""
+    before each load there, and where that replica sees the agent's directory (default ``agent_root``);
+    ``*=:PORT``: every replica's agent on its own host at PORT (a container in each vLLM pod) (flag:
+    repeat it; environment: comma-separated). Needed with an object store."""
     agent_root: str = "/adapters"
     """Where every replica sees its agent's local directory (``agent_dir`` mounted in the vLLM container)."""
     agent_token: SecretStr | None = None
@@ -240,7 +241,9 @@ class Settings(BaseSettings):
         found = {}
         for url, _, rest in (entry.partition("=") for entry in self.replica_agents):
             agent, _, root = rest.partition("|")
-            found[url.rstrip("/")] = (agent.rstrip("/"), (root or self.agent_root).rstrip("/"))
+            for replica in self.replicas if url == "*" else [url.rstrip("/")]:
+                here = f"{replica.rpartition(':')[0]}{agent}" if url == "*" else agent
+                found[replica] = (here.rstrip("/"), (root or self.agent_root).rstrip("/"))
         return found
 
     @property

@@ -286,3 +286,16 @@ def test_a_kvgate_variable_that_names_no_setting_is_warned_of() -> None:
     assert unknown_environment(environ) == [
         "environment variable KVGATE_AUHT is not a kvgate setting and is ignored (see docs/configuration.md)"
     ]
+
+
+def test_replica_agents_name_each_agent_or_one_port_on_every_replica_host() -> None:
+    settings = Settings(
+        replicas=["http://vllm-0.vllm-headless:8000", "http://10.0.0.5:8000"],
+        replica_agents=["*=:8100", "http://10.0.0.5:8000=http://10.0.0.9:9000|/mnt/a"],
+    )
+    assert settings.agent_map == {
+        "http://vllm-0.vllm-headless:8000": ("http://vllm-0.vllm-headless:8100", "/adapters"),
+        "http://10.0.0.5:8000": ("http://10.0.0.9:9000", "/mnt/a"),
+    }
+    with pytest.raises(ValidationError, match=r"REPLICA_URL=AGENT_URL\[\|ROOT\]"):
+        Settings(replica_agents=["http://10.0.0.5:8000"])
