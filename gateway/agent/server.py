@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from gateway.adapters.objstore import Client, is_object_url, open_client
 from gateway.agent.fetch import Fetcher, FetchFailed
@@ -98,7 +100,7 @@ def build_agent(
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    async def lifecycle(_: web.Application):  # type: ignore[no-untyped-def]
+    async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         fetcher.start()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             session_box["session"] = session
@@ -117,11 +119,11 @@ def _error(status: int, kind: str, message: str, code: str) -> web.Response:
     )
 
 
-def _errors(token: str):  # type: ignore[no-untyped-def]
+def _errors(token: str) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
-    async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path != "/healthz":
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
