@@ -123,6 +123,14 @@ loadtest-prefix-real: setup
 	$(PY) -m loadtest.prefix_real --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--out docs/prefix_routing.md --plot docs/prefix_routing_real.png
 
+# Publish to the first answer on two real vLLM replicas: the object store with an agent per replica against
+# the directory store, a small and a 200 MB adapter; writes its block of docs/object-store.md.
+ROUNDS ?= 3
+.PHONY: loadtest-objstore
+loadtest-objstore: setup
+	$(PY) -m loadtest.objstore_first_answer --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--rounds $(ROUNDS) --out docs/object-store.md
+
 # The chaos run (not part of `make test`): three kvgate processes on one Redis, two real vLLM replicas, four
 # tenants, traffic, changes and faults for MINUTES minutes; writes docs/chaos.md. `make chaos MINUTES=2`.
 MINUTES ?= 10

@@ -24,7 +24,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.stores import location_prefix, open_store
 from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
@@ -110,7 +110,7 @@ def build_app(
     app[TABLE] = EpochTable(
         redis, tracer=app[TRACER], ack_timeout=settings.ack_within, log_kept=settings.change_log_length
     )
-    app[RESEEDER] = Reseeder(app[TABLE], AdapterStore(settings.store).proves, metrics)
+    app[RESEEDER] = Reseeder(app[TABLE], open_store(settings.store).proves, metrics)
     app[ACTIVITY] = {}
     app[VERDICTS] = {}
     app[DRAIN] = Drain()
@@ -198,6 +198,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             base_with_root=with_root,
             max_connections=settings.max_connections_per_replica,
             pool_wait=settings.pool_wait_timeout,
+            agents=settings.agent_map,
         )
         app[BASE_PRINTS] = BasePrints(
             app[POOL],
@@ -220,7 +221,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             app[POOL],
             app[TABLE],
             app[SNAPSHOT],
-            store_root=settings.store,
+            store_prefix=location_prefix(open_store(settings.store)),
             budget=settings.max_adapters_per_replica,
             drain_grace=settings.drain_grace,
             max_drain=settings.max_drain,
@@ -231,6 +232,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             quarantine=app[QUARANTINE],
             metrics=app[METRICS],
             tracer=app[TRACER],
+            agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
         scheduler = Scheduler(

@@ -23,14 +23,18 @@ import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import ValidationError
 
+from gateway.adapters.objstore import is_object_url
 from gateway.adapters.publish import publish_adapter
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.source import local_source
+from gateway.adapters.stores import open_store
 from gateway.app import ADMIN_LISTENER, DRAIN, build_app
+from gateway.cli_agent import cmd_agent
 from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
-from gateway.config import Settings, describe_invalid, load_settings
+from gateway.config import Settings, load_settings
+from gateway.config_files import describe_invalid
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
@@ -56,11 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the gateway")
     _common(serve, "serve")
+    _common(
+        commands.add_parser("agent", help="run the sidecar that fetches verified versions for a replica"),
+        "agent",
+    )
 
     publish = commands.add_parser("publish", help="publish an adapter directory as the current version")
     _common(publish, "publish")
     publish.add_argument("logical_id")
-    publish.add_argument("adapter_dir", type=Path)
+    publish.add_argument("adapter_dir", help="a local adapter directory, or s3://BUCKET/PATH to download one")
     publish.add_argument("--progress", action="store_true", help="a progress bar even when not on a terminal")
     publish.add_argument(
         "--base", help="the served base model it is for (default: the only one the replicas serve)"
@@ -120,15 +128,16 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
 
 async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     check_logical_id(args.logical_id)  # refuse bad input before anything starts or is written
-    store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
-    manifest = store.scan(args.adapter_dir)
-    base = await choose_base(settings, args.base)
-    with publish_progress(args.progress, manifest) as progress:
-        async with open_table(settings, tracing) as table:
-            done = await publish_adapter(
-                table, store, args.logical_id, args.adapter_dir, base.identity, manifest=manifest,
-                progress=progress, base_print=base.print,
-            )  # fmt: skip
+    store = open_store(settings.store, max_bytes=settings.max_adapter_bytes)
+    with local_source(args.adapter_dir, max_bytes=settings.max_adapter_bytes) as source:
+        manifest = store.scan(source)
+        base = await choose_base(settings, args.base)
+        with publish_progress(args.progress, manifest) as progress:
+            async with open_table(settings, tracing) as table:
+                done = await publish_adapter(
+                    table, store, args.logical_id, source, base.identity, manifest=manifest,
+                    progress=progress, base_print=base.print,
+                )  # fmt: skip
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,
            "path": str(done.path), "epoch": done.change.epoch, "changed": done.change.changed,
@@ -169,6 +178,11 @@ async def cmd_bump(args: argparse.Namespace, settings: Settings, tracing: Tracer
 async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     if not settings.replicas:
         raise KvgateError("no replicas: pass --replica URL (or KVGATE_REPLICAS)")
+    if is_object_url(settings.store) and (alone := sorted(set(settings.replicas) - set(settings.agent_map))):
+        raise KvgateError(
+            f"the store is an object store: every replica needs a kvgate agent (replica_agents); "
+            f"none for {', '.join(alone)}"
+        )
     for warning in unknown_environment(os.environ):
         logging.getLogger("gateway").warning("%s", warning)
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # every background task's
@@ -214,6 +228,7 @@ async def cmd_demo(args: argparse.Namespace, settings: Settings, tracing: Tracer
 Command = Callable[[argparse.Namespace, Settings, TracerProvider | None], Coroutine[Any, Any, int | None]]
 COMMANDS: dict[str, Command] = {
     "serve": cmd_serve,
+    "agent": cmd_agent,
     "audit": cmd_audit,
     "publish": cmd_publish,
     "rollback": cmd_rollback,

@@ -9,7 +9,7 @@ import aiohttp
 from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.adapters.publish import publish_adapter
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.stores import open_store
 from gateway.config import Settings
 from gateway.core.errors import BadRequest
 from gateway.core.identity import check_logical_id
@@ -88,7 +88,7 @@ def _audit_plan(
 
     async def publish(http: aiohttp.ClientSession) -> str | None:
         async with open_table(settings, tracing) as table:
-            store = AdapterStore(settings.store, max_bytes=settings.max_adapter_bytes)
+            store = open_store(settings.store, max_bytes=settings.max_adapter_bytes)
             done = await publish_adapter(
                 table, store, target.logical_id, args.publish, settings.base_identity
             )

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 from gateway.adapters import gc
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.stores import open_store
 from gateway.config import Settings
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
@@ -121,7 +121,10 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         cells = {}
         for url in replicas:
             held = sorted(name for name in loaded[url] if name.startswith(f"{state.logical_id}@"))
-            current = loaded[url].get(state.name) == state.path
+            root = loaded[url].get(state.name)
+            current = root == state.path or (  # with an object store: the replica's agent's verified copy
+                root is not None and "://" in state.path and root.rpartition("/")[2] == state.digest
+            )
             cells[url] = {"loaded": held, "current": current, "mismatch": any(n != state.name for n in held)}
         rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
                      "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),
@@ -174,7 +177,7 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerPr
     if args.keep < 1:
         raise BadRequest("--keep must be at least 1", param="keep")
     listings = await _live_listings(settings)
-    store = AdapterStore(settings.store)
+    store = open_store(settings.store)
     async with open_table(settings, tracing) as table:
         report = await gc.sweep(table, store, gc.Policy(args.keep, retention), listings, dry_run=args.dry_run)
     removable = [e for e in report.entries if not e.kept_because]

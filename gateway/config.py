@@ -16,12 +16,11 @@ flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -31,7 +30,7 @@ from pydantic_settings import (
 )
 
 from gateway.adapters.store import DEFAULT_MAX_BYTES
-from gateway.core.errors import BadRequest
+from gateway.config_files import read_config_file
 from gateway.core.identity import base_identity
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K
 
@@ -47,8 +46,29 @@ class Settings(BaseSettings):
     """Port the gateway listens on (0: any free port)."""
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Base URLs of the replicas kvgate fronts (flag: repeat it; environment: comma-separated)."""
-    store: Path = Path(".kvgate/store")
-    """Content-addressed adapter store; every replica must see it at the same path."""
+    store: str = ".kvgate/store"
+    """Content-addressed adapter store: a directory every replica sees at the same path, or an object
+    store ``s3://BUCKET/PREFIX`` (endpoint, region, credentials from the ``AWS_*`` environment) that each
+    replica's ``kvgate agent`` fetches from (``replica_agents``)."""
+    replica_agents: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``REPLICA_URL=AGENT_URL[|ROOT]``: the ``kvgate agent`` beside a replica, asked for a version's bytes
+    before each load there, and where that replica sees the agent's directory (default ``agent_root``);
+    ``*=:PORT``: every replica's agent on its own host at PORT (a container in each vLLM pod) (flag:
+    repeat it; environment: comma-separated). Needed with an object store."""
+    agent_root: str = "/adapters"
+    """Where every replica sees its agent's local directory (``agent_dir`` mounted in the vLLM container)."""
+    agent_token: SecretStr | None = None
+    """Token kvgate sends every agent and each agent requires (bearer). Prefer the env var."""
+    agent_dir: Path = Path(".kvgate/agent")
+    """``kvgate agent``: the local directory verified versions are kept in (``<agent_dir>/<digest>/``)."""
+    agent_host: str = "127.0.0.1"
+    """``kvgate agent``: the address it listens on."""
+    agent_port: int = Field(8100, ge=0, le=65535)
+    """``kvgate agent``: the port it listens on."""
+    agent_replica: str = "http://127.0.0.1:8000"
+    """``kvgate agent``: its replica's URL, asked what it has loaded before anything is evicted."""
+    agent_disk_bytes: int = Field(20 << 30, ge=1)
+    """``kvgate agent``: bytes of versions it keeps; past it the least recently asked, unloaded go first."""
     data_dir: Path = Path(".kvgate")
     """Holds the embedded Redis (its data and socket) and the snapshot file (snapshot_file_interval)."""
     redis_url: str | None = None
@@ -188,15 +208,27 @@ class Settings(BaseSettings):
             return [str(url).strip().rstrip("/") for url in value]
         return value
 
-    @field_validator("kv_event_endpoints", mode="before")
+    @field_validator("store", mode="before")
     @classmethod
-    def _split_event_endpoints(cls, value: Any) -> Any:
+    def _store_location(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, Path) else value
+
+    @field_validator("kv_event_endpoints", "base_model_dirs", "replica_agents", mode="before")
+    @classmethod
+    def _split_entries(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
+        form = {"kv_event_endpoints": "REPLICA_URL=tcp://HOST:PORT", "base_model_dirs": "NAME=PATH",
+                "replica_agents": "REPLICA_URL=AGENT_URL[|ROOT]"}[str(info.field_name)]  # fmt: skip
         for entry in value if isinstance(value, list) else []:
-            url, _, endpoint = str(entry).partition("=")
-            if not url or not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"kv_event_endpoints entries are REPLICA_URL=tcp://HOST:PORT, not {entry!r}")
+            key, _, rest = str(entry).partition("=")
+            ok = (
+                rest.startswith(("tcp://", "ipc://"))
+                if info.field_name == "kv_event_endpoints"
+                else bool(rest)
+            )
+            if not key or not ok:
+                raise ValueError(f"{info.field_name} entries are {form}, not {entry!r}")
         return value
 
     @model_validator(mode="after")
@@ -206,16 +238,16 @@ class Settings(BaseSettings):
             raise ValueError("kv_events needs tokenizer (the base model's tokenizer.json or model directory)")
         return self
 
-    @field_validator("base_model_dirs", mode="before")
-    @classmethod
-    def _split_base_dirs(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        for entry in value if isinstance(value, list) else []:
-            name, _, path = str(entry).partition("=")
-            if not name or not path:
-                raise ValueError(f"base_model_dirs entries are NAME=PATH, not {entry!r}")
-        return value
+    @property
+    def agent_map(self) -> dict[str, tuple[str, str]]:
+        """Replica URL -> (its agent's URL, where the replica sees the agent's directory)."""
+        found = {}
+        for url, _, rest in (entry.partition("=") for entry in self.replica_agents):
+            agent, _, root = rest.partition("|")
+            for replica in self.replicas if url == "*" else [url.rstrip("/")]:
+                here = f"{replica.rpartition(':')[0]}{agent}" if url == "*" else agent
+                found[replica] = (here.rstrip("/"), (root or self.agent_root).rstrip("/"))
+        return found
 
     @property
     def base_model_dir_map(self) -> dict[str, Path]:
@@ -286,33 +318,6 @@ class Settings(BaseSettings):
         return base_identity(self.base_model, self.base_model_root)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The settings a named TOML config file holds; any reason it cannot be read is a ``BadRequest``
-    naming the file (fail closed: a file that is not read must never mean the defaults)."""
-
-    def refused(why: str) -> BadRequest:
-        return BadRequest(f"config file {path}: {why}", param="config")
-
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise refused("does not exist") from None
-    except IsADirectoryError:
-        raise refused("is a directory, not a file") from None
-    except PermissionError:
-        raise refused("cannot be read (permission denied)") from None
-    except OSError as exc:
-        raise refused(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise refused(f"is not UTF-8 text (byte {exc.start})") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise refused(f"is not valid TOML ({exc})") from None
-
-
 def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Settings:
     """Build settings with precedence: ``overrides`` (CLI) > environment > config file > defaults.
 
@@ -335,13 +340,3 @@ def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Set
             return sources
 
     return _WithFile(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def describe_invalid(exc: ValidationError) -> str:
-    """One line for an operator: each refused setting and why (never the value: it may be a secret)."""
-    problems = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        why = " ".join(error["msg"].removeprefix("Value error, ").split())
-        problems.append(f"{where}: {why}" if where else why)
-    return "invalid settings: " + "; ".join(problems)

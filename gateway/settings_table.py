@@ -27,6 +27,7 @@ COMMANDS = (
     "versions",
     "history",
     "gc",
+    "agent",
 )
 
 # Where the table and the store are, and which base and backend they belong to: every command reads them.
@@ -44,6 +45,17 @@ _ALSO: dict[str, frozenset[str]] = {
     "rollback": _ACKED,
     "bump": _ACKED,
     "gc": frozenset({"replicas", "connect_timeout", "read_timeout"}),  # it asks the replicas what they list
+    "agent": frozenset(
+        {
+            "agent_dir",
+            "agent_host",
+            "agent_port",
+            "agent_replica",
+            "agent_root",
+            "agent_token",
+            "agent_disk_bytes",
+        }
+    ),
 }
 _FLAGS = {"replicas": "--replica"}  # the one flag not named after its field (it is given once per URL)
 _METAVARS = {"replicas": "URL"}

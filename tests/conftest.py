@@ -20,6 +20,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.core.identity import versioned_name
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
+from tests.s3_server import S3Server, environment, s3_server
 
 
 @pytest.fixture(scope="session")
@@ -137,3 +138,16 @@ def swap_back(path: Path, saved: dict[str, bytes]) -> None:
     for name, data in saved.items():
         (path / name).write_bytes(data)
         (path / name).chmod(0o444)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's standalone S3 server (a real process, the real protocol), the ``AWS_*`` environment set."""
+    with s3_server(tmp_path_factory.mktemp("s3") / "moto.log") as server, environment(server.environment()):
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3: S3Server) -> str:
+    """A fresh bucket's store location, ``s3://BUCKET/store``."""
+    return f"s3://{s3.new_bucket()}/store"

@@ -128,6 +128,14 @@ def address_problems(objs: list[Obj]) -> list[str]:
         elif isinstance(redis_url, str):
             parts = urlsplit(redis_url)
             addresses.append((redis_url, parts.hostname or "", parts.port or REDIS_PORT))
+        agents = env.get("KVGATE_REPLICA_AGENTS")
+        if isinstance(agents, str) and isinstance(replicas, str):
+            wired = ManifestSettings.model_validate(
+                {"replicas": replicas.split(","), "replica_agents": agents.split(",")}
+            )
+            for agent, _ in wired.agent_map.values():
+                parts = urlsplit(agent)
+                addresses.append((agent, parts.hostname or "", parts.port or 80))
         for url, host, port in addresses:
             problem = _host_problem(objs, spec, host, port)
             if problem:
@@ -136,7 +144,11 @@ def address_problems(objs: list[Obj]) -> list[str]:
 
 
 def store_problems(objs: list[Obj]) -> list[str]:
-    """The store is mounted at KVGATE_STORE, from the same claim, in every kvgate and every vLLM container."""
+    """The store is mounted at KVGATE_STORE, from the same claim, in every kvgate and every vLLM container;
+    with an object store, every vLLM container instead shares a pod-local volume with a kvgate agent."""
+    stores = {env.get("KVGATE_STORE") for _, _, _, env in kvgates(objs)}
+    if any(isinstance(store, str) and store.startswith("s3://") for store in stores):
+        return _agent_problems(objs, stores)
     mounts = []
     for name, _, spec in pods(objs):
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", [])
@@ -160,6 +172,40 @@ def store_problems(objs: list[Obj]) -> list[str]:
     if len(claim_names) > 1:
         problems.append(f"{store} is mounted from different claims: {sorted(map(str, claim_names))}")
     if not any(where.endswith("/vllm") for where, _ in mounts):
+        problems.append("no vLLM container in the render")
+    return problems
+
+
+def _agent_problems(objs: list[Obj], stores: set[object]) -> list[str]:
+    maps = named(objs, "ConfigMap")
+    if len(stores) != 1:
+        return [f"kvgate containers disagree on KVGATE_STORE: {stores}"]
+    problems = []
+    seen_vllm = False
+    for name, _, spec in pods(objs):
+        by_name = {c["name"]: c for c in spec["containers"]}
+        if "vllm" not in by_name:
+            continue
+        seen_vllm = True
+        agent = by_name.get("kvgate-agent")
+        if agent is None or agent.get("args", [""])[0] != "agent":
+            problems.append(f"{name}: a vLLM pod without a kvgate agent container")
+            continue
+        env = environment(agent, maps)
+        if env.get("KVGATE_STORE") not in stores:
+            problems.append(f"{name}/kvgate-agent: KVGATE_STORE is not kvgate's")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        agent_dir = {m["mountPath"]: m["name"] for m in agent.get("volumeMounts", [])}.get(
+            env.get("KVGATE_AGENT_DIR")
+        )
+        vllm_root = {m["mountPath"]: m["name"] for m in by_name["vllm"].get("volumeMounts", [])}.get(
+            env.get("KVGATE_AGENT_ROOT")
+        )
+        if agent_dir is None or agent_dir != vllm_root:
+            problems.append(f"{name}: vLLM does not see the agent's KVGATE_AGENT_DIR at KVGATE_AGENT_ROOT")
+        elif "emptyDir" not in volumes.get(agent_dir, {}):
+            problems.append(f"{name}: the agent's volume {agent_dir} is not pod-local (an emptyDir)")
+    if not seen_vllm:
         problems.append("no vLLM container in the render")
     return problems
 

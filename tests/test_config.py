@@ -58,7 +58,15 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9100", 9100),
     "replicas": ("http://r1:8000/", ["http://r0:8000", "http://r1:8000"]),  # after --replica http://r0:8000
-    "store": ("/srv/store", Path("/srv/store")),
+    "store": ("s3://bucket/adapters", "s3://bucket/adapters"),
+    "replica_agents": ("http://r0:8000=http://a0:8100|/mnt/a0", ["http://r0:8000=http://a0:8100|/mnt/a0"]),
+    "agent_root": ("/mnt/adapters", "/mnt/adapters"),
+    "agent_dir": ("/var/adapters", Path("/var/adapters")),
+    "agent_host": ("0.0.0.0", "0.0.0.0"),
+    "agent_token": ("agent-s3cret", "agent-s3cret"),
+    "agent_port": ("8101", 8101),
+    "agent_replica": ("http://127.0.0.1:8001", "http://127.0.0.1:8001"),
+    "agent_disk_bytes": ("1000000", 1000000),
     "data_dir": ("/srv/kvgate", Path("/srv/kvgate")),
     "redis_url": ("redis://cache:6379/0", "redis://cache:6379/0"),
     "redis_ack_timeout": ("0.25", 0.25),
@@ -279,3 +287,16 @@ def test_a_kvgate_variable_that_names_no_setting_is_warned_of() -> None:
     assert unknown_environment(environ) == [
         "environment variable KVGATE_AUHT is not a kvgate setting and is ignored (see docs/configuration.md)"
     ]
+
+
+def test_replica_agents_name_each_agent_or_one_port_on_every_replica_host() -> None:
+    settings = Settings(
+        replicas=["http://vllm-0.vllm-headless:8000", "http://10.0.0.5:8000"],
+        replica_agents=["*=:8100", "http://10.0.0.5:8000=http://10.0.0.9:9000|/mnt/a"],
+    )
+    assert settings.agent_map == {
+        "http://vllm-0.vllm-headless:8000": ("http://vllm-0.vllm-headless:8100", "/adapters"),
+        "http://10.0.0.5:8000": ("http://10.0.0.9:9000", "/mnt/a"),
+    }
+    with pytest.raises(ValidationError, match=r"REPLICA_URL=AGENT_URL\[\|ROOT\]"):
+        Settings(replica_agents=["http://10.0.0.5:8000"])

@@ -32,6 +32,8 @@ RENDERS = {
     "ingress+purge-all": ("ingress", ("purge-all",)),
     "sidecar+external-redis": ("sidecar", ("external-redis",)),
     "ingress+purge-all+external-redis": ("ingress", ("purge-all", "external-redis")),
+    "ingress+object-store": ("ingress", ("object-store",)),
+    "sidecar+object-store": ("sidecar", ("object-store",)),
 }
 
 CHECKS: dict[str, Callable[[list[Obj]], list[str]]] = {
@@ -326,3 +328,44 @@ def test_a_sidecar_kvgate_reaches_only_its_own_pod(renders: dict[str, list[Obj]]
 def test_the_old_example_is_gone() -> None:
     """It pointed at a Redis nobody defines; the overlays replace it."""
     assert not (DEPLOY / "kubernetes-sidecar.yaml").exists()
+
+
+def _agent_volume(objs: list[Obj]) -> Obj:
+    spec = _workload(objs, "vllm")["spec"]["template"]["spec"]
+    return next(v for v in spec["volumes"] if v["name"] == "adapters")
+
+
+OBJECT_STORE_BREAKAGES: list[tuple[str, Break]] = [
+    ("no agent in the vLLM pod",
+     lambda o: _workload(o, "vllm")["spec"]["template"]["spec"]["containers"].pop()),
+    ("the agent's volume is the shared claim", lambda o: _agent_volume(o).update(
+        {"persistentVolumeClaim": {"claimName": "kvgate-adapters"}}) or _agent_volume(o).pop("emptyDir")),
+    ("vLLM sees another directory", lambda o: _config(o).update(KVGATE_AGENT_ROOT="/elsewhere")),
+]  # fmt: skip
+
+
+def test_the_object_store_shape_has_an_agent_beside_every_vllm_on_a_pod_local_volume(
+    renders: dict[str, list[Obj]],
+) -> None:
+    for shape in ("ingress+object-store", "sidecar+object-store"):
+        objs = renders[shape]
+        assert _config(objs)["KVGATE_STORE"].startswith("s3://")
+        assert "kvgate-adapters" not in {
+            o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"
+        }
+    ingress = renders["ingress+object-store"]
+    assert _container(ingress, "vllm", "kvgate-agent")["args"] == ["agent"]
+    assert _container(ingress, "vllm", "kvgate-agent")["image"] == "kvgate:0.1.0"
+    assert not [
+        m
+        for m in _container(ingress, "kvgate", "kvgate").get("volumeMounts", [])
+        if m["mountPath"] == "/adapters"
+    ]
+    for broken, breaking in OBJECT_STORE_BREAKAGES:
+        objs = copy.deepcopy(ingress)
+        assert deploy_wiring.store_problems(objs) == []
+        breaking(objs)
+        assert deploy_wiring.store_problems(objs) != [], f"store did not notice: {broken}"
+    objs = copy.deepcopy(ingress)
+    _named(objs, "Service", "vllm-headless")["spec"]["ports"].pop()  # the agent's port
+    assert deploy_wiring.address_problems(objs) != [], "addresses did not notice the agent's port gone"

@@ -114,4 +114,4 @@ async def test_a_failed_table_write_removes_only_what_this_publish_stored(
     assert sorted(p.name for p in store.root.iterdir()) == [earlier.digest], "its own new bytes are gone"
     with pytest.raises(ResponseError, match="WRONGTYPE"):
         await publish_adapter(table, store, "tenant-b", make_adapter(b"shared"), "base")
-    assert earlier.path.is_dir(), "bytes another version points at stay"
+    assert store.contains(earlier.digest), "bytes another version points at stay"

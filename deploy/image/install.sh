@@ -14,3 +14,4 @@ set -- "$1"/kvgate-*-py3-none-any.whl
 "$PY" -m gateway.healthcheck --help >/dev/null
 kvgate_bin="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")/kvgate"
 "$kvgate_bin" serve --help >/dev/null
+"$kvgate_bin" agent --help >/dev/null

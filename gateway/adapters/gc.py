@@ -1,6 +1,7 @@
 """``kvgate gc``: remove store directories nothing needs any more.
 
-A directory ``<store>/<digest>/`` is kept when any of these holds, and removed otherwise:
+A version ``<store>/<digest>/`` (a directory, or an object store's manifest and files) is kept when any
+of these holds, and removed otherwise:
 
 - ``current``: it is some logical ID's current version;
 - ``recent``: it is among some logical ID's last ``keep_last`` published versions;
@@ -11,8 +12,9 @@ A directory ``<store>/<digest>/`` is kept when any of these holds, and removed o
 
 Removal is safe against a concurrent publish, which writes the store first and the table second:
 
-1. each removable directory is renamed away (``.gc-<digest>-<random>``, atomic): from then on a publish
-   of the same bytes finds no directory and writes a fresh one, which the table then points at;
+1. each removable directory is renamed away (``.gc-<digest>-<random>``, atomic; in an object store its
+   manifest is deleted, ``adapters.gc_trash``): from then on a publish of the same bytes finds no
+   version and writes a fresh one, which the table then points at;
 2. then everything above is read again, once for all of them (the table, the listings, each directory's
    mtime). A publish that found a directory before the rename has touched it (``young``) or has written
    the table (``current``): the directory is put back (or, if a publish made a fresh copy meanwhile, the
@@ -23,29 +25,30 @@ Removal is safe against a concurrent publish, which writes the store first and t
 4. only then is the renamed directory deleted.
 
 What remains is a publish that found the directory more than the retention period before it writes the
-table: keep the retention far above how long a publish takes (seconds). A kvgate whose snapshot lags the
+table: keep the retention far above how long a publish takes (seconds). In an object store the files
+are shared with a fresh copy, so they are deleted only while no manifest is back; a publish that writes
+its manifest between that check and the deletion leaves a version whose files are gone: its loads fail
+verification on the agent (refused, counted), never served. A kvgate whose snapshot lags the
 table may still try to load a version gc just removed (its ``was-current`` time is within the retention,
 so only with a retention shorter than ``reconcile_interval``): that load fails, nothing is mixed.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.adapters.gc_trash import Trash, listed
+from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import AdapterStore
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version, read_ids, read_versions
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _NAME_DIGEST = re.compile(r"@([0-9a-f]{16,64})$")
-TRASH_PREFIX = ".gc-"
 
 Listings = Mapping[str, Mapping[str, str]]
 """Replica URL -> {adapter name: root}, as replicas list them."""
@@ -60,7 +63,7 @@ class Policy:
 @dataclass(frozen=True, slots=True)
 class Entry:
     digest: str
-    path: Path
+    path: Path | str
     age_s: float
     bytes: int
     kept_because: tuple[str, ...]  # empty: removable
@@ -79,7 +82,7 @@ class Report:
 
 async def collect(
     table: EpochTable,
-    store: AdapterStore,
+    store: AdapterStore | ObjectStore,
     policy: Policy,
     listings: Listings | None = None,
     *,
@@ -89,20 +92,18 @@ async def collect(
     now = time.time() if now is None else now
     needed = await _needed(table, policy, {} if listings is None else listings, now)
     entries = []
-    for path in sorted(store.root.iterdir()) if store.root.is_dir() else []:
-        if not (_DIGEST.fullmatch(path.name) and path.is_dir()):
-            continue  # .incoming-* (a publish under way), .gc-* (another gc), anything else
-        age = now - path.stat().st_mtime
-        reasons = [*needed.get(path.name, ()), *_prefix_reasons(needed, path.name)]
+    for item in listed(store, _DIGEST.fullmatch):
+        age = now - item.modified
+        reasons = [*needed.get(item.digest, ()), *_prefix_reasons(needed, item.digest)]
         if age < policy.retention_s:
             reasons.append("young")
-        entries.append(Entry(path.name, path, age, _size(path), tuple(sorted(set(reasons)))))
+        entries.append(Entry(item.digest, item.path, age, item.bytes, tuple(sorted(set(reasons)))))
     return sorted(entries, key=lambda e: -e.age_s)
 
 
 async def sweep(
     table: EpochTable,
-    store: AdapterStore,
+    store: AdapterStore | ObjectStore,
     policy: Policy,
     listings: Listings | None = None,
     *,
@@ -115,17 +116,11 @@ async def sweep(
     report = Report(await collect(table, store, policy, listings, now=now))
     if dry_run:
         return report
-    trashed: dict[str, tuple[Path, Path]] = {}  # digest -> (its path, where it was renamed to)
+    trash = Trash(store)
     for entry in report.entries:
-        if entry.kept_because:
-            continue
-        trash = store.root / f"{TRASH_PREFIX}{entry.digest}-{secrets.token_hex(4)}"
-        try:
-            os.rename(entry.path, trash)
-        except FileNotFoundError:
-            continue  # another gc took it
-        trashed[entry.digest] = (entry.path, trash)
-    if not trashed:
+        if not entry.kept_because:
+            trash.take(entry.digest, entry.path)
+    if not trash.taken:
         return report
     now = time.time() if now is None else now
     needed = await _needed(table, policy, listings, now)  # the second read
@@ -133,13 +128,14 @@ async def sweep(
     for logical_id in await read_ids(table):
         for record in await read_versions(table, logical_id):
             records.setdefault(record.digest, []).append(logical_id)
-    for digest, (path, trash) in trashed.items():
+    for digest in list(trash.taken):
         if await _still_removable(table, policy, needed, records.get(digest, []), digest, trash, now):
-            shutil.rmtree(trash)
-            report.removed.append(digest)
+            if trash.delete(digest):
+                report.removed.append(digest)
+                continue
         else:
-            _put_back(trash, path)
-            report.restored.append(digest)
+            trash.put_back(digest)
+        report.restored.append(digest)
     return report
 
 
@@ -149,24 +145,15 @@ async def _still_removable(
     needed: dict[str, set[str]],
     recorded_by: list[str],
     digest: str,
-    trash: Path,
+    trash: Trash,
     now: float,
 ) -> bool:
-    if needed.get(digest) or _prefix_reasons(needed, digest) or now - _mtime(trash) < policy.retention_s:
+    if needed.get(digest) or _prefix_reasons(needed, digest) or trash.age(digest, now) < policy.retention_s:
         return False
     for logical_id in recorded_by:
         if not await forget_version(table, logical_id, digest):
             return False  # a rollback made it current just now
     return True
-
-
-def _put_back(trash: Path, path: Path) -> None:
-    try:
-        os.rename(trash, path)
-    except OSError:
-        if not path.is_dir():
-            raise
-        shutil.rmtree(trash)  # a publish wrote the same bytes afresh meanwhile: that copy stays
 
 
 async def _needed(table: EpochTable, policy: Policy, listings: Listings, now: float) -> dict[str, set[str]]:
@@ -202,11 +189,3 @@ async def _needed(table: EpochTable, policy: Policy, listings: Listings, now: fl
 def _prefix_reasons(needed: dict[str, set[str]], digest: str) -> list[str]:
     """Reasons held by a shorter prefix of DIGEST (a versioned name carries 16 hex of it)."""
     return [why for key, whys in needed.items() if key != digest and digest.startswith(key) for why in whys]
-
-
-def _mtime(path: Path) -> float:
-    return path.stat().st_mtime
-
-
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.adapters.store import AdapterStore, Progress
+from gateway.adapters.objstore import ObjectArtifact, ObjectStore
+from gateway.adapters.store import AdapterStore, Progress, StoredArtifact
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
@@ -24,13 +25,13 @@ class Published:
     logical_id: str
     digest: str
     name: str
-    path: Path
+    path: Path | str  # the store's directory, or its s3:// location
     change: Change
 
 
 async def publish_adapter(
     table: EpochTable,
-    store: AdapterStore,
+    store: AdapterStore | ObjectStore,
     logical_id: str,
     adapter_dir: Path,
     base: str,
@@ -52,9 +53,18 @@ async def publish_adapter(
         change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base, base_print)
     except Exception:
         if artifact.created and not await _may_be_recorded(table, logical_id, base, artifact.digest):
-            store.remove(artifact)
+            _remove(store, artifact)
         raise
     return Published(logical_id, artifact.digest, name, artifact.path, change)
+
+
+def _remove(store: AdapterStore | ObjectStore, artifact: StoredArtifact | ObjectArtifact) -> None:
+    if isinstance(store, ObjectStore):
+        assert isinstance(artifact, ObjectArtifact)
+        store.remove(artifact)
+        return
+    assert isinstance(artifact, StoredArtifact)
+    store.remove(artifact)
 
 
 async def _may_be_recorded(table: EpochTable, logical_id: str, base: str, digest: str) -> bool:

@@ -22,7 +22,13 @@
     ├── NoEligibleReplica            503 service_unavailable    (nothing healthy, or the load failed)
     │   ├── VersionUnloading         503 service_unavailable    (another kvgate is unloading it there)
     │   ├── AdapterBudgetFull        503 service_unavailable    (every adapter slot stayed in use too long)
-    │   └── VersionForgotten         503 service_unavailable    (a replica lost a version kvgate loaded)
+    │   ├── VersionForgotten         503 service_unavailable    (a replica lost a version kvgate loaded)
+    │   └── AdapterNotReady          503 service_unavailable    (a replica's agent could not fetch and
+    │                                                            verify the version's bytes)
+    ├── StoreUnavailable             503 service_unavailable    (the object store failed or is unreachable)
+    │   ├── BadManifest              503 service_unavailable    (a stored manifest is not what kvgate wrote)
+    │   └── FetchFailed              503 service_unavailable    (an agent could not fetch and verify a
+    │                                                            version; ``code``: what went wrong)
     ├── ShuttingDown                 503 service_unavailable    (this kvgate is draining: try another)
     ├── TableUnavailable             503 service_unavailable    (Redis failed or does not answer; the
     │                                                            embedded one is owned by another kvgate)
@@ -192,6 +198,25 @@ class MalformedAnswer(UpstreamError):
 
 
 class NoEligibleReplica(KvgateError):
+    status = 503
+    type = "service_unavailable"
+
+
+class AdapterNotReady(NoEligibleReplica):
+    """A replica's ``kvgate agent`` could not fetch and verify a version's bytes (changed, truncated or
+    missing objects, the object store unreachable, a full disk, the agent unreachable). The message names
+    the logical ID only; the versioned name, the replica and the object keys go to the log."""
+
+    def __init__(self, logical_id: str, why: str) -> None:
+        super().__init__(
+            f"adapter {logical_id!r} is not available right now: {why}", code="adapter_not_ready"
+        )
+        self.why = why
+
+
+class StoreUnavailable(KvgateError):
+    """The object store failed a read or write kvgate needed, or could not be reached."""
+
     status = 503
     type = "service_unavailable"
 

@@ -16,13 +16,13 @@ import functools
 import logging
 import secrets
 import time
-from pathlib import Path
 
 import aiohttp
 from opentelemetry.trace import StatusCode, Tracer
 
-from gateway.core.errors import NoEligibleReplica
+from gateway.core.errors import AdapterNotReady, NoEligibleReplica
 from gateway.core.model import VersionState
+from gateway.fleet.agents import ready_path
 from gateway.fleet.backends import LoadFailed
 from gateway.fleet.base_prints import mismatch
 from gateway.fleet.budget import SLOT_POLL, AdapterBudget
@@ -45,7 +45,7 @@ class AdapterLoader:
         table: EpochTable,
         snapshot: Snapshot,
         *,
-        store_root: Path,
+        store_prefix: str,
         budget: int,
         drain_grace: float,
         max_drain: float,
@@ -56,14 +56,18 @@ class AdapterLoader:
         quarantine: Quarantine,
         metrics: Metrics,
         tracer: Tracer,
+        agent_token: str = "",
     ) -> None:
+        """``store_prefix``: what every root in the store starts with (``adapters.stores.location_prefix``);
+        ``agent_token``: sent to replicas' agents (``fleet.agents``)."""
         self.pool = pool
+        self.agent_token = agent_token
         self.leases = leases
         self.quarantine = quarantine
         self.max_drain = max_drain
         self.table = table
         self.snapshot = snapshot
-        self.store_prefix = f"{store_root.resolve()}/"
+        self.store_prefix = store_prefix
         self.drain_grace = drain_grace
         self.load_timeout = load_timeout
         self.budget = AdapterBudget(
@@ -133,9 +137,10 @@ class AdapterLoader:
             if version.name in replica.listing.adapters:
                 # Same name from another root (another store, or loaded by hand): never trust it.
                 await self._unload(replica, version.name, reason="wrong-root", force=True)
+            path = await self._local_copy(replica, version)
             async with self.budget.slot(replica):  # room made (or waited for), held until it is listed
-                await self._post_load(replica, version, reason)
-                log.info("loaded %s on %s from %s", version.name, replica.url, version.path)
+                await self._post_load(replica, version, reason, path)
+                log.info("loaded %s on %s from %s", version.name, replica.url, path)
                 await self.pool.refresh(replica)
             await self._announce(replica)
             if not replica.serves(version.name, version.path):
@@ -148,7 +153,16 @@ class AdapterLoader:
             if locked:
                 await self._release(replica, version.name, token)
 
-    async def _post_load(self, replica: Replica, version: VersionState, reason: str) -> None:
+    async def _local_copy(self, replica: Replica, version: VersionState) -> str:
+        """The directory REPLICA loads VERSION from: the store's, or its agent's verified copy."""
+        if replica.agent is None and "://" in version.path:
+            log.warning("%s has no agent (replica_agents) to fetch %s from %s", replica.url, version.name,
+                        version.path)  # fmt: skip
+            raise AdapterNotReady(version.logical_id, "a replica has no adapter agent for the object store")
+        return await ready_path(self.pool.session, replica, version, token=self.agent_token,
+                                within=self.load_timeout, metrics=self.metrics)  # fmt: skip
+
+    async def _post_load(self, replica: Replica, version: VersionState, reason: str, path: str) -> None:
         started = time.perf_counter()
         outcome = "failed"
         with self.tracer.start_as_current_span("kvgate.load") as span:
@@ -157,7 +171,7 @@ class AdapterLoader:
             span.set_attribute(attr.REPLICA, replica.url)
             try:
                 async with asyncio.timeout(self.load_timeout):
-                    await self.pool.dialect.load(self.pool.session, replica.url, version.name, version.path)
+                    await self.pool.dialect.load(self.pool.session, replica.url, version.name, path)
                 outcome = "loaded"
             except LoadFailed as exc:
                 raise NoEligibleReplica(
@@ -191,7 +205,8 @@ class AdapterLoader:
 
     def _managed(self, replica: Replica) -> list[str]:
         """Adapters kvgate loaded: their root is in our content-addressed store."""
-        return [name for name, root in replica.listing.adapters.items() if root.startswith(self.store_prefix)]
+        prefix = f"{replica.agent_root}/" if replica.agent else self.store_prefix
+        return [name for name, root in replica.listing.adapters.items() if root.startswith(prefix)]
 
     async def _unload(self, replica: Replica, name: str, *, reason: str, force: bool = False) -> bool:
         """Unload ``name`` once nothing reserves it, here or in another kvgate (``force``: whatever

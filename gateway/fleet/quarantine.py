@@ -51,7 +51,7 @@ def inspect(replica: Replica, logical_ids: set[str], store_prefix: str) -> list[
             continue
         if logical_id not in logical_ids or len(short) != SHORT_DIGEST_LEN:
             continue  # not a version kvgate manages
-        if not root.startswith(store_prefix):
+        if not root.startswith(f"{replica.agent_root}/" if replica.agent else store_prefix):
             found.append((name, FOREIGN_ROOT, root))
         elif not PurePosixPath(root).name.startswith(short):
             found.append((name, DIGEST_MISMATCH, root))

@@ -75,6 +75,10 @@ class Replica:
         self.restart_reason = ""
         self.prints = ReplicaPrints()
         """Its base fingerprints (written by ``fleet.base_prints`` only)."""
+        self.agent: str | None = None
+        """Its ``kvgate agent``'s URL (``replica_agents``): versions load from the agent's verified copy."""
+        self.agent_root = ""
+        """Where this replica sees its agent's directory (``agent_root``), when it has an agent."""
 
     @property
     def base_print(self) -> str | None:
@@ -99,9 +103,16 @@ class Replica:
     def adapter_count(self) -> int:
         return len(self.listing.adapters)
 
+    def root_for(self, path: str) -> str:
+        """Where this replica loads the version stored at PATH from: PATH itself, or with an agent its
+        verified local copy ``<agent_root>/<digest>``."""
+        return f"{self.agent_root}/{path.rstrip('/').rpartition('/')[2]}" if self.agent else path
+
     def serves(self, name: str, root: str) -> bool:
-        """Eligible for a version only when it lists the versioned name with the content-addressed root,
-        that name is not quarantined here from that root, and this kvgate is not unloading it."""
+        """Eligible for a version only when it lists the versioned name with the content-addressed root
+        (``root_for``), that name is not quarantined here from that root, and this kvgate is not
+        unloading it."""
+        root = self.root_for(root)
         listed = self.listing.adapters.get(name) == root
         return listed and self.quarantined.get(name) != root and name not in self.unloading
 
@@ -155,12 +166,17 @@ class ReplicaPool:
         base_with_root: bool,
         max_connections: int = 0,
         pool_wait: float = 0.0,
+        agents: dict[str, tuple[str, str]] | None = None,
     ) -> None:
-        """``max_connections``: per replica, 0 for no limit; ``pool_wait``: seconds to wait for one."""
+        """``max_connections``: per replica, 0 for no limit; ``pool_wait``: seconds to wait for one;
+        ``agents``: replica URL -> (its agent's URL, where the replica sees the agent's directory)."""
         self.replicas = [
             Replica(url, base_with_root=base_with_root, max_connections=max_connections, pool_wait=pool_wait)
             for url in urls
         ]
+        for replica in self.replicas:
+            if replica.url in (agents or {}):
+                replica.agent, replica.agent_root = (agents or {})[replica.url]
         self.dialect = dialect
         self.session = session
         self.base_with_root = base_with_root

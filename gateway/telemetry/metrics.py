@@ -113,6 +113,10 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.agent_fetches = Counter(
+            "kvgate_agent_fetches", "Asks to a replica's agent for a version's verified bytes, by outcome",
+            ["replica", "outcome"], registry=r,
+        )  # fmt: skip
         self.slot_wait = Histogram(
             "kvgate_adapter_slot_wait_seconds",
             "Time a load on a full budget took to get a slot: evicting an idle adapter, or waiting for one",

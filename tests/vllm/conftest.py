@@ -132,10 +132,10 @@ def make_gateway(vllm_replicas: list[VllmProcess], session_redis: Redis, tmp_pat
         try:
             async with running(app) as url:
                 if ADMIN_LISTENER not in app:
-                    yield Gateway(url, settings.store, spans, metrics)
+                    yield Gateway(url, Path(settings.store), spans, metrics)
                     return
                 async with running(app[ADMIN_LISTENER]) as admin_url:
-                    yield Gateway(url, settings.store, spans, metrics, admin_url)
+                    yield Gateway(url, Path(settings.store), spans, metrics, admin_url)
         finally:
             provider.shutdown()
 

@@ -79,6 +79,32 @@ def reason_of(body: bytes, status: int) -> str:
     return text[: _REASON_CHARS * 5] or f"HTTP {status}"
 
 
+def agent_path(doc: Any, digest: str) -> str:
+    """A ``kvgate agent``'s answer to a fetch of DIGEST: ``{"digest": DIGEST, "path": "/abs/.../DIGEST"}``."""
+    if not isinstance(doc, dict) or doc.get("digest") != digest:
+        raise MalformedAnswer(f"the agent's answer is {_kind(doc)}, not the fetch of this digest")
+    path = doc.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or not path.endswith(f"/{digest}"):
+        raise MalformedAnswer("the agent's answer has no absolute path ending in the digest")
+    return path
+
+
+def agent_refusal(body: bytes, status: int) -> str:
+    """Why an agent refused a fetch: its ``error.code`` when it is one of its outcomes, else ``refused``."""
+    try:
+        doc = json_of(body)
+    except MalformedAnswer:
+        return "refused"
+    error = doc.get("error") if isinstance(doc, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code in AGENT_OUTCOMES else f"refused-{status // 100}xx"
+
+
+AGENT_OUTCOMES = frozenset(
+    {"changed", "truncated", "missing", "unreachable", "disk-full", "budget", "bad-manifest", "unauthorized"}
+)
+
+
 def model_list(doc: Any) -> AdapterListing:
     """An OpenAI model list: the first entry without ``parent`` is the base, the rest are adapters.
 
