@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Span
 
+from gateway.core import wire
 from gateway.core.errors import (
     BackendTimeout,
     BackendUnreachable,
@@ -35,14 +36,6 @@ from gateway.core.errors import (
     UpstreamError,
 )
 from gateway.core.model import Target
-from gateway.core.wire import (
-    DIGEST_HEADER,
-    EPOCH_HEADER,
-    PREFIX_KEY_HEADER,
-    PREFIX_MATCH_HEADER,
-    REPLICA_HEADER,
-    VERSION_HEADER,
-)
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import Metrics
 
@@ -204,13 +197,14 @@ def model_card(payload: bytes, served: str, logical: str) -> dict[str, object] |
 def evidence(target: Target, replica_url: str, prefix_source: str, matched_blocks: int) -> dict[str, str]:
     """The response headers that say which effective model answered, where, and the prefix blocks the
     routing decision matched there (with their source: ``precise`` KV events, ``predicted``, ``none``)."""
-    headers = {REPLICA_HEADER: replica_url, PREFIX_MATCH_HEADER: f"{prefix_source}:{matched_blocks}"}
+    match = f"{prefix_source}:{matched_blocks}"
+    headers = {wire.REPLICA_HEADER: replica_url, wire.PREFIX_MATCH_HEADER: match}
     if target.version is not None:
-        headers[VERSION_HEADER] = target.version.name
-        headers[DIGEST_HEADER] = target.version.digest
-        headers[EPOCH_HEADER] = str(target.version.epoch)
+        headers[wire.VERSION_HEADER] = target.version.name
+        headers[wire.DIGEST_HEADER] = target.version.digest
+        headers[wire.EPOCH_HEADER] = str(target.version.epoch)
     if target.keys:
-        headers[PREFIX_KEY_HEADER] = target.keys[0].hex()
+        headers[wire.PREFIX_KEY_HEADER] = target.keys[0].hex()
     return headers
 
 
