@@ -137,7 +137,7 @@ async def test_two_workers_serve_a_later_publish_and_metrics_sum_both(
         assert owner.get("pid") == served.process.pid, "the parent owns the embedded Redis"
         name = await publish(data, stub_url, "tenant-42", make_adapter(b"v1"))  # after both started
         series = 'kvgate_requests_total{logical_id="tenant-42",outcome="200"}'
-        sent, answered = 0, set()
+        sent, answered = 0, set[int]()
         while len(answered) < 2 and sent < 400:  # new connections until both workers served some
             statuses = await asyncio.gather(*(complete(served.url, "tenant-42") for _ in range(10)))
             assert statuses == [200] * 10
@@ -188,7 +188,7 @@ async def test_a_killed_worker_is_restarted_and_counted(tmp_path: Path) -> None:
         async def back() -> bool:
             _, now = await served.health()
             slot = now["workers"][1]
-            return slot["state"] == "ready" and slot["pid"] != victim["pid"] and slot["restarts"] == 1
+            return bool(slot["state"] == "ready" and slot["pid"] != victim["pid"] and slot["restarts"] == 1)
 
         await eventually(back, "worker 1 restarted and ready", within=60)
         page = await served.merged_metrics()

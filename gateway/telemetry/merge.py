@@ -13,8 +13,12 @@ as it is. Families keep the order of their first appearance, samples too.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from prometheus_client import utils
+
+_text: Callable[[float], str] = utils.floatToGoString  # as prometheus_client writes values
 
 
 @dataclass
@@ -30,14 +34,6 @@ def _combine(kind: str, key: str, old: float, new: float) -> float:
     if kind == "gauge":
         return new if math.isnan(old) else old if math.isnan(new) else max(old, new)
     return old + new
-
-
-def _text(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
 
 
 def merge_pages(pages: Iterable[bytes]) -> bytes:
