@@ -198,10 +198,11 @@ async def serve(settings: Settings, tracing: TracerProvider | None, place: Worke
             sock = place.admin if place else None
             admin = running(app[ADMIN_LISTENER], settings.admin_host, settings.admin_port, sock=sock)
             log.info("admin listener on %s", await listeners.enter_async_context(admin))
-        if siblings is not None:
-            siblings.track(app[METRICS])
-            views = siblings.serving(app[METRICS].exposition, lambda: local_health(app))
+        if place is not None:
+            place.siblings.track(app[METRICS])
+            views = place.siblings.serving(app[METRICS].exposition, lambda: local_health(app))
             await listeners.enter_async_context(views)
+            place.serving()  # the parent knows this worker started
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,7 +11,10 @@ at once (bounded by ``ASK_TIMEOUT``) and answers with
 - ``/healthz``: its own body (every field as with one process), plus ``worker`` (its slot and pid) and
   ``workers``, one entry per slot: its pid, readiness, draining, failing tasks and restarts, or
   ``"state": "down"`` when it did not answer (dead, or being restarted by the parent: it serves nobody).
-  Ready only if this worker and every worker that answered are ready.
+  Ready only if this worker and every worker that answered are ready. The parent's own supervised
+  tasks (the embedded Redis) join ``background`` and ``failing``, and ``parent`` holds its answer (its
+  socket is ``workers/parent.sock``): a parent task that keeps failing, or a parent that does not
+  answer, makes every worker answer 503.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,49 @@ ASK_TIMEOUT = 2.0  # seconds a sibling has to answer; a sibling that does not is
 LocalHealth = Callable[[], tuple[dict[str, Any], bool]]
 
 
-def socket_path(data_dir: Path, slot: int) -> Path:
+PARENT = "parent"
+
+
+def socket_path(data_dir: Path, slot: int | str) -> Path:
+    """Worker ``slot``'s private socket, or the parent's (``PARENT``)."""
     return data_dir / WORKERS_DIR / f"{slot}.sock"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def serving_unix(path: Path, routes: Mapping[str, Handler]) -> AsyncIterator[None]:
+    """GET ``routes`` on the unix socket ``path`` (a previous process's socket there is replaced)."""
+    app = web.Application()
+    for route, handler in routes.items():
+        app.router.add_get(route, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    _remove(path)
+    await web.UnixSite(runner, str(path)).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+@contextlib.asynccontextmanager
+async def parent_views(data_dir: Path, health: Callable[[], dict[str, Any]]) -> AsyncIterator[None]:
+    """The parent's own health (its supervised embedded Redis: ``background``, ``failing``), for the
+    workers' ``/healthz``: a failing parent task makes every worker answer 503."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(health()))
+
+    async with serving_unix(socket_path(data_dir, PARENT), {"/healthz": answer}):
+        yield
 
 
 class Siblings:
@@ -63,19 +107,9 @@ class Siblings:
             body, ready = health()
             return web.Response(body=orjson.dumps({"body": body, "ready": ready, **self._me()}))
 
-        app = web.Application()
-        app.router.add_get("/metrics", page)
-        app.router.add_get("/healthz", own_health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        path = socket_path(self.data_dir, self.slot)
-        path.unlink(missing_ok=True)  # this slot's previous process's, if it died
-        await web.UnixSite(runner, str(path)).start()
-        try:
+        routes = {"/metrics": page, "/healthz": own_health}
+        async with serving_unix(socket_path(self.data_dir, self.slot), routes):
             yield
-        finally:
-            await runner.cleanup()
-            path.unlink(missing_ok=True)
 
     def _me(self) -> dict[str, Any]:
         return {"slot": self.slot, "pid": self.pid, "restarts": self.restarts}
@@ -83,7 +117,7 @@ class Siblings:
     def _others(self) -> Iterator[int]:
         return (slot for slot in range(self.count) if slot != self.slot)
 
-    async def _ask(self, slot: int, path: str) -> bytes | None:
+    async def _ask(self, slot: int | str, path: str) -> bytes | None:
         connector = aiohttp.UnixConnector(path=str(socket_path(self.data_dir, slot)))
         timeout = aiohttp.ClientTimeout(total=ASK_TIMEOUT)
         try:
@@ -106,9 +140,18 @@ class Siblings:
 
     async def health(self, own: dict[str, Any], ready: bool) -> tuple[dict[str, Any], bool]:
         others = list(self._others())
-        answers = await asyncio.gather(*(self._ask(slot, "/healthz") for slot in others))
+        answers = await asyncio.gather(
+            self._ask(PARENT, "/healthz"), *(self._ask(slot, "/healthz") for slot in others)
+        )
+        parent = _parse(answers[0])
+        if parent is None:  # alive while this worker is (it dies with it), so it should answer
+            parent, ready = {"state": "not answering"}, False
+        else:
+            own = {**own, "background": {**own.get("background", {}), **parent.get("background", {})}}
+            own["failing"] = [*own.get("failing", []), *parent.get("failing", [])]
+            ready = ready and not parent.get("failing")
         workers = {self.slot: {**self._me(), **_summary(own, ready)}}
-        for slot, answer in zip(others, answers, strict=True):
+        for slot, answer in zip(others, answers[1:], strict=True):
             doc = _parse(answer)
             if doc is None:
                 workers[slot] = {"slot": slot, "state": "down"}
@@ -119,7 +162,7 @@ class Siblings:
             workers[slot] = {**named, **_summary(body, sibling_ready)}
             ready = ready and sibling_ready
         listed = [workers[slot] for slot in sorted(workers)]
-        return {**own, "worker": self._me(), "workers": listed}, ready
+        return {**own, "worker": self._me(), "workers": listed, "parent": parent}, ready
 
 
 def _summary(body: dict[str, Any], ready: bool) -> dict[str, Any]:

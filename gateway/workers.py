@@ -31,11 +31,11 @@ from typing import Any
 from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.config import Settings
-from gateway.core.errors import KvgateError
+from gateway.core.errors import BadRequest, KvgateError
 from gateway.open_table import open_table
 from gateway.periodic import Supervisor
 from gateway.serving import BACKLOG
-from gateway.siblings import WORKERS_DIR, Siblings
+from gateway.siblings import WORKERS_DIR, Siblings, parent_views
 
 log = logging.getLogger("gateway.workers")
 
@@ -51,6 +51,14 @@ class WorkerPlace:
     api: socket.socket
     admin: socket.socket | None
     siblings: Siblings
+    ready_fd: int | None = None  # written once the worker serves (then closed): its start succeeded
+
+    def serving(self) -> None:
+        if self.ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.ready_fd, b"1")
+                os.close(self.ready_fd)
+            object.__setattr__(self, "ready_fd", None)
 
 
 def worker_count(settings: Settings) -> int:
@@ -97,29 +105,45 @@ class Workers:
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = dict.fromkeys(range(count), 0)
         self.stopping = False
-        self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.fatal: asyncio.Future[KvgateError] = asyncio.get_running_loop().create_future()
 
-    async def _start(self, slot: int) -> asyncio.subprocess.Process:
-        fds = [self.api.fileno(), *([self.admin.fileno()] if self.admin else [])]
+    async def _start(self, slot: int) -> tuple[asyncio.subprocess.Process, int]:
+        """A worker for ``slot``, and the read end of its readiness pipe."""
+        ready_read, ready_write = os.pipe()
+        fds = [self.api.fileno(), ready_write, *([self.admin.fileno()] if self.admin else [])]
         command = [sys.executable, "-m", "gateway.worker", "--slot", str(slot), "--count", str(self.count),
                    "--restarts", str(self.restarts[slot]), "--parent", str(os.getpid()),
-                   "--api-fd", str(fds[0]), *(["--admin-fd", str(fds[1])] if self.admin else []),
-                   "--", *self.argv]  # fmt: skip
-        process = await asyncio.create_subprocess_exec(
-            *command, pass_fds=fds, stdin=asyncio.subprocess.DEVNULL
-        )
+                   "--api-fd", str(fds[0]), "--ready-fd", str(ready_write),
+                   *(["--admin-fd", str(fds[2])] if self.admin else []), "--", *self.argv]  # fmt: skip
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command, pass_fds=fds, stdin=asyncio.subprocess.DEVNULL
+            )
+        finally:
+            os.close(ready_write)
         self.processes[slot] = process
         log.info("worker %d started (pid %d)", slot, process.pid)
-        return process
+        return process, ready_read
+
+    def _fail(self, error: KvgateError) -> None:
+        if not self.fatal.done():
+            self.fatal.set_result(error)
 
     async def keep(self, slot: int) -> None:
         """Slot ``slot``'s worker, restarted whenever it exits until ``stop``."""
-        streak = 0
+        streak, served = 0, False
         while not self.stopping:
             began = time.monotonic()
-            process = await self._start(slot)
+            process, ready = await self._start(slot)
             code = await process.wait()
+            with contextlib.suppress(OSError):
+                served = served or os.read(ready, 1) == b"1"
+            os.close(ready)
             if self.stopping:
+                return
+            if not served:  # this slot never served: its start fails, as one process's would (config)
+                why = f"worker {slot} could not start ({_exit_text(code)}; its error is above)"
+                self._fail(BadRequest(why) if code == 2 else KvgateError(why))
                 return
             streak = 0 if time.monotonic() - began >= STEADY_S else streak + 1
             self.restarts[slot] += 1
@@ -128,9 +152,9 @@ class Workers:
                 slot, process.pid, _exit_text(code), self.restarts[slot],
             )  # fmt: skip
             if streak > self.settings.background_failure_limit:
-                if not self.fatal.done():
-                    why = f"worker {slot} keeps exiting soon after it starts ({streak} times in a row)"
-                    self.fatal.set_result(why)
+                self._fail(
+                    KvgateError(f"worker {slot} keeps exiting soon after it starts ({streak} in a row)")
+                )
                 return
             await asyncio.sleep(BACKOFF_S[min(streak, len(BACKOFF_S)) - 1] if streak else 0.0)
 
@@ -167,11 +191,21 @@ async def run_workers(
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)  # the workers' private sockets
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # the embedded Redis's
-    async with open_table(settings, tracing, supervisor=supervisor):  # this process owns the embedded Redis
+    restarts: dict[int, int] = {}
+
+    def health() -> dict[str, Any]:
+        return {"pid": os.getpid(), "background": supervisor.health(), "failing": supervisor.failing(),
+                "restarts": {str(slot): count for slot, count in restarts.items()}}  # fmt: skip
+
+    async with (
+        open_table(settings, tracing, supervisor=supervisor),  # this process owns the embedded Redis
+        parent_views(settings.data_dir, health),
+    ):
         log.info("kvgate listening on %s (%d workers, parent pid %d)", _url(api), count, os.getpid())
         if admin is not None:
             log.info("admin listener on %s", _url(admin))
         workers = Workers(settings, count, argv, api, admin)
+        restarts = workers.restarts
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -182,12 +216,14 @@ async def run_workers(
         waits.append(workers.fatal)
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         await workers.stop()
-        reason = supervisor.fatal_reason or (workers.fatal.result() if workers.fatal.done() else None)
+        failed = workers.fatal.result() if workers.fatal.done() else None
+        if supervisor.fatal_reason is not None:
+            failed = KvgateError(f"stopped: {supervisor.fatal_reason}")
         for task in [*waits, *slots]:
             task.cancel()
         await asyncio.gather(*slots, return_exceptions=True)
     api.close()
     if admin is not None:
         admin.close()
-    if reason is not None:
-        raise KvgateError(f"stopped: {reason}")
+    if failed is not None:
+        raise failed

@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.siblings import WORKERS_DIR, Siblings
+from gateway.siblings import WORKERS_DIR, Siblings, parent_views
 from gateway.telemetry.merge import merge_pages
 from gateway.telemetry.metrics import Metrics
 
@@ -62,7 +62,12 @@ async def test_any_worker_answers_for_all_a_not_ready_or_down_sibling_shows(tmp_
     (tmp_path / WORKERS_DIR).mkdir()
     workers = [Siblings(tmp_path, slot, 3, restarts=slot) for slot in range(3)]
     views = [Views(ready=True), Views(ready=True), Views(ready=False)]
+    parent: dict[str, Any] = {"pid": 1, "background": {"embedded-redis": {"state": "running"}}, "failing": []}
     async with contextlib.AsyncExitStack() as stack:
+        body, ready = await workers[0].health(*views[0].health())
+        assert not ready, "a parent that does not answer: not ready"
+        assert body["parent"] == {"state": "not answering"}
+        await stack.enter_async_context(parent_views(tmp_path, lambda: parent))
         for worker, view in zip(workers[:2], views[:2], strict=True):  # worker 2 is down
             await stack.enter_async_context(worker.serving(view.metrics.exposition, view.health))
         body, ready = await workers[0].health(*views[0].health())
@@ -70,6 +75,12 @@ async def test_any_worker_answers_for_all_a_not_ready_or_down_sibling_shows(tmp_
         assert [w["state"] for w in body["workers"]] == ["ready", "ready", "down"]
         assert body["worker"]["slot"] == 0
         assert body["draining"] is False  # its own fields stay where one process has them
+        assert body["background"]["embedded-redis"] == {"state": "running"}  # the parent's task joins them
+        parent["failing"] = ["embedded-redis"]
+        body, ready = await workers[1].health(*views[1].health())
+        assert not ready, "a parent task that keeps failing makes every worker answer 503"
+        assert body["failing"] == ["embedded-redis"]
+        parent["failing"] = []
         await stack.enter_async_context(workers[2].serving(views[2].metrics.exposition, views[2].health))
         body, ready = await workers[0].health(*views[0].health())
         assert not ready, "a live worker that is not ready makes every worker answer 503"
