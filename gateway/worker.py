@@ -4,7 +4,7 @@ inherited descriptors. Not a command for people: ``kvgate serve`` starts it.
 
 It reads its settings exactly as its parent did (the same arguments, environment and config file), takes
 the parent's embedded Redis by its socket and a gateway id of its own (``workers.for_worker``), and dies
-with its parent (Linux ``PR_SET_PDEATHSIG``: SIGTERM, so it drains) even when the parent is killed.
+with its parent (Linux ``PR_SET_PDEATHSIG``: SIGKILL), even when the parent is killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with(parent: int) -> None:
-    """SIGTERM to this process when its parent dies; exit now if it already has."""
+    """SIGKILL to this process when its parent dies (a kvgate killed is killed whole, as one process is:
+    its embedded Redis is gone too); exit now if the parent already has."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         sys.exit(1)
 

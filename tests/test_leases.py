@@ -93,28 +93,9 @@ async def test_a_killed_gateways_leases_expire_within_their_time_to_live(
     v1 = await publish("tenant-42", b"v1")
     async with running(build_stub(state)) as stub, gateway([stub]) as url_a:
         port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--replica",
-            stub,
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_server.url,
-            "--store",
-            str(store.root),
-            "--lease-ttl",
-            "1",
-            "--poll-interval",
-            "0.1",
-            "--drain-grace",
-            "0.2",
-            "--workers",
-            "1",
-        ]  # fmt: skip  (one process killed; --workers would drain its workers)
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub, "--port", str(port),
+                   "--redis-url", redis_server.url, "--store", str(store.root), "--lease-ttl", "1",
+                   "--poll-interval", "0.1", "--drain-grace", "0.2"]  # fmt: skip
         b = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
         try:
             url_b = f"http://127.0.0.1:{port}"
