@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -61,11 +63,20 @@ class WorkerPlace:
             object.__setattr__(self, "ready_fd", None)
 
 
-def worker_count(settings: Settings) -> int:
-    """``workers``, else one per core this process may run on."""
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
+
+def worker_count(settings: Settings, cpu_max: Path = CPU_MAX) -> int:
+    """``workers``, else one per core this process may run on: its CPU affinity, bounded by its cgroup's
+    CPU quota when it has one (a container limited to 2 CPUs on a 64-core node gets 2 workers, not 64)."""
     if settings.workers is not None:
         return settings.workers
-    return max(1, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    return max(1, cores)
 
 
 def for_worker(settings: Settings, slot: int) -> Settings:

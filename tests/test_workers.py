@@ -22,9 +22,11 @@ import zmq
 import zmq.asyncio
 
 from gateway.cli import main
+from gateway.config import Settings
 from gateway.serving import free_port, running
 from gateway.siblings import socket_path
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.workers import worker_count
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_kv_follower import captured
@@ -252,3 +254,16 @@ def test_a_worker_count_that_is_not_a_number_exits_2(capsys: pytest.CaptureFixtu
         main(["serve", "--replica", "http://127.0.0.1:9", "--workers", "two"])
     assert exited.value.code == 2
     assert "--workers: invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_the_default_is_one_worker_per_core_within_the_cgroup_quota(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert worker_count(Settings(), cpu_max) == cores  # no cgroup file: the affinity
+    cpu_max.write_text("max 100000\n")
+    assert worker_count(Settings(), cpu_max) == cores
+    cpu_max.write_text("50000 100000\n")  # half a CPU: one worker
+    assert worker_count(Settings(), cpu_max) == 1
+    cpu_max.write_text(f"{100000 * (cores + 4)} 100000\n")  # a quota above the affinity: the affinity
+    assert worker_count(Settings(), cpu_max) == cores
+    assert worker_count(Settings(workers=3), cpu_max) == 3
