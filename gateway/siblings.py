@@ -10,7 +10,8 @@ at once (bounded by ``ASK_TIMEOUT``) and answers with
   largest), plus ``kvgate_workers_answering``, the number of pages merged;
 - ``/healthz``: its own body (every field as with one process), plus ``worker`` (its slot and pid) and
   ``workers``, one entry per slot: its pid, readiness, draining, failing tasks and restarts, or
-  ``"state": "down"`` when it did not answer (dead, or being restarted by the parent: it serves nobody).
+  ``"state": "down"`` when it did not answer (dead, or being restarted by the parent: it serves nobody),
+  ``"starting"`` (503) when the parent says that slot's first worker has not served yet.
   Ready only if this worker and every worker that answered are ready. The parent's own supervised
   tasks (the embedded Redis) join ``background`` and ``failing``, and ``parent`` holds its answer (its
   socket is ``workers/parent.sock``): a parent task that keeps failing, or a parent that does not
@@ -154,7 +155,9 @@ class Siblings:
         for slot, answer in zip(others, answers[1:], strict=True):
             doc = _parse(answer)
             if doc is None:
-                workers[slot] = {"slot": slot, "state": "down"}
+                starting = slot in parent.get("starting", [])  # its first start: serve is not up yet
+                workers[slot] = {"slot": slot, "state": "starting" if starting else "down"}
+                ready = ready and not starting
                 continue
             sibling_ready = doc.get("ready") is True
             body = doc["body"] if isinstance(doc.get("body"), dict) else {}

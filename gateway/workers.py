@@ -115,6 +115,7 @@ class Workers:
         self.settings, self.count, self.argv, self.api, self.admin = settings, count, argv, api, admin
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = dict.fromkeys(range(count), 0)
+        self.served: set[int] = set()  # slots whose worker has served once (until then /healthz is 503)
         self.stopping = False
         self.fatal: asyncio.Future[KvgateError] = asyncio.get_running_loop().create_future()
 
@@ -134,7 +135,15 @@ class Workers:
             os.close(ready_write)
         self.processes[slot] = process
         log.info("worker %d started (pid %d)", slot, process.pid)
+        os.set_blocking(ready_read, False)
+        asyncio.get_running_loop().add_reader(ready_read, self._ready, slot, ready_read)
         return process, ready_read
+
+    def _ready(self, slot: int, fd: int) -> None:
+        with contextlib.suppress(OSError):
+            if os.read(fd, 1) == b"1":
+                self.served.add(slot)
+        asyncio.get_running_loop().remove_reader(fd)  # a byte or the end: nothing more comes
 
     def _fail(self, error: KvgateError) -> None:
         if not self.fatal.done():
@@ -147,9 +156,12 @@ class Workers:
             began = time.monotonic()
             process, ready = await self._start(slot)
             code = await process.wait()
+            asyncio.get_running_loop().remove_reader(ready)
             with contextlib.suppress(OSError):
-                served = served or os.read(ready, 1) == b"1"
+                if os.read(ready, 1) == b"1":
+                    self.served.add(slot)
             os.close(ready)
+            served = slot in self.served
             if self.stopping:
                 return
             if not served:  # this slot never served: its start fails, as one process's would (config)
@@ -203,10 +215,12 @@ async def run_workers(
     directory.chmod(0o700)  # the workers' private sockets
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # the embedded Redis's
     restarts: dict[int, int] = {}
+    served: set[int] = set()
 
     def health() -> dict[str, Any]:
         return {"pid": os.getpid(), "background": supervisor.health(), "failing": supervisor.failing(),
-                "restarts": {str(slot): count for slot, count in restarts.items()}}  # fmt: skip
+                "restarts": {str(slot): count for slot, count in restarts.items()},
+                "starting": sorted(set(restarts) - served)}  # fmt: skip
 
     async with (
         open_table(settings, tracing, supervisor=supervisor),  # this process owns the embedded Redis
@@ -216,7 +230,7 @@ async def run_workers(
         if admin is not None:
             log.info("admin listener on %s", _url(admin))
         workers = Workers(settings, count, argv, api, admin)
-        restarts = workers.restarts
+        restarts, served = workers.restarts, workers.served
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
