@@ -48,6 +48,7 @@ from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
 from gateway.serving import EDGE, EdgeLimits, session_timeout
+from gateway.siblings import Siblings
 from gateway.table.callers import Callers, CallerSync, CallerTable
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
@@ -82,6 +83,7 @@ ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
+SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
 
 
 def build_app(
@@ -91,6 +93,7 @@ def build_app(
     tracer_provider: TracerProvider | None = None,
     metrics: Metrics | None = None,
     supervisor: Supervisor | None = None,
+    siblings: Siblings | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -114,6 +117,8 @@ def build_app(
     app[ACTIVITY] = {}
     app[VERDICTS] = {}
     app[DRAIN] = Drain()
+    if siblings is not None:
+        app[SIBLINGS] = siblings
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     for component in (_components, _snapshot_sync, _caller_sync, _replica_poller, _lease_heartbeat):
@@ -138,24 +143,15 @@ def build_app(
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
         app[ADMIN].check_scrape(request, public=ADMIN_LISTENER not in app)
-        return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = app[METRICS].exposition()
+        if SIBLINGS in app:
+            body = await app[SIBLINGS].metrics(body)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
-        pool, snapshot, supervisor = app[POOL], app[SNAPSHOT], app[SUPERVISOR]
-        failing = supervisor.failing()  # a task that keeps failing: its state no longer moves
-        body = {
-            "replicas_healthy": len(pool.healthy()),
-            "replicas": len(pool.replicas),
-            "snapshot_flushed": snapshot.flushed,
-            "logical_ids": len(snapshot.current_names()),
-            "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
-            "draining": app[DRAIN].draining,
-            **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
-            "background": supervisor.health(),
-            "kv_events": followers_health(app.get(KV_FOLLOWERS, {}), app[PROXY].replica_names),
-            "failing": failing,
-        }
-        ready = pool.healthy() and not app[DRAIN].draining and not failing
+        body, ready = local_health(app)
+        if SIBLINGS in app:
+            body, ready = await app[SIBLINGS].health(body, ready)
         return web.json_response(body, status=200 if ready else 503)
 
     def api_routes(target: web.Application) -> None:
@@ -177,6 +173,25 @@ def build_app(
     return app
 
 
+def local_health(app: web.Application) -> tuple[dict[str, Any], bool]:
+    """This process's /healthz body and readiness (with --workers, a worker's own; siblings.py sums)."""
+    pool, snapshot, supervisor = app[POOL], app[SNAPSHOT], app[SUPERVISOR]
+    failing = supervisor.failing()  # a task that keeps failing: its state no longer moves
+    body = {
+        "replicas_healthy": len(pool.healthy()),
+        "replicas": len(pool.replicas),
+        "snapshot_flushed": snapshot.flushed,
+        "logical_ids": len(snapshot.current_names()),
+        "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
+        "draining": app[DRAIN].draining,
+        **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
+        "background": supervisor.health(),
+        "kv_events": followers_health(app.get(KV_FOLLOWERS, {}), app[PROXY].replica_names),
+        "failing": failing,
+    }
+    return body, bool(pool.healthy()) and not app[DRAIN].draining and not failing
+
+
 def _epoch_changed(app: web.Application, logical_id: str) -> None:
     metrics = app[METRICS]
     metrics.epoch_changes.labels(metrics.for_id(logical_id)).inc()
@@ -192,14 +207,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         dialect = dialect_for(settings.backend)
         with_root = settings.base_model_root is not None
         app[POOL] = ReplicaPool(
-            settings.replicas,
-            dialect,
-            session,
-            base_with_root=with_root,
-            max_connections=settings.max_connections_per_replica,
-            pool_wait=settings.pool_wait_timeout,
+            settings.replicas, dialect, session, base_with_root=with_root,
+            max_connections=settings.max_connections_per_replica, pool_wait=settings.pool_wait_timeout,
             agents=settings.agent_map,
-        )
+        )  # fmt: skip
         app[BASE_PRINTS] = BasePrints(
             app[POOL],
             floor=settings.base_print_tolerance,
@@ -257,19 +268,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             read_timeout=settings.read_timeout,
         )
         app[PROXY] = Proxy(
-            app[SNAPSHOT],
-            app[POOL],
-            app[LOADER],
-            app[LEASES],
-            scheduler,
-            app[ADMIN],
-            dialect,
-            options,
-            auth=app[AUTH],
-            activity=app[ACTIVITY],
-            metrics=app[METRICS],
-            tracer=app[TRACER],
-        )
+            app[SNAPSHOT], app[POOL], app[LOADER], app[LEASES], scheduler, app[ADMIN], dialect, options,
+            auth=app[AUTH], activity=app[ACTIVITY], metrics=app[METRICS], tracer=app[TRACER],
+        )  # fmt: skip
         yield
         app[PROXY].upstream.close()
         await app[LOADER].stop()  # loads in flight, before the session they use closes

@@ -27,7 +27,7 @@ from gateway.adapters.objstore import is_object_url
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.source import local_source
 from gateway.adapters.stores import open_store
-from gateway.app import ADMIN_LISTENER, DRAIN, build_app
+from gateway.app import ADMIN_LISTENER, DRAIN, METRICS, build_app, local_health
 from gateway.cli_agent import cmd_agent
 from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base
@@ -46,6 +46,7 @@ from gateway.settings_table import add_setting_flags, flag_overrides, unknown_en
 from gateway.table.callers import CallerTable
 from gateway.table.scripts import assemble_script, operation_names
 from gateway.telemetry.tracing import tracer_provider_from_env
+from gateway.workers import WorkerPlace, run_workers, worker_count
 
 
 def _common(parser: argparse.ArgumentParser, command: str) -> None:
@@ -185,20 +186,37 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
         )
     for warning in unknown_environment(os.environ):
         logging.getLogger("gateway").warning("%s", warning)
+    count = worker_count(settings)
+    if count > 1:  # a parent of `count` workers (gateway/workers.py), each running `serve` below
+        await run_workers(settings, tracing, count, args.argv)
+    else:
+        await serve(settings, tracing)
+
+
+async def serve(settings: Settings, tracing: TracerProvider | None, place: WorkerPlace | None = None) -> None:
+    """One kvgate until SIGTERM/SIGINT (then it drains); with ``place``, a worker of ``--workers``."""
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # every background task's
+    owner = supervisor if place is None else None  # a worker uses its parent's embedded Redis
     async with (
-        open_table(settings, tracing, supervisor=supervisor) as table,
+        open_table(settings, tracing, supervisor=owner) as table,
         contextlib.AsyncExitStack() as listeners,
     ):
-        app = build_app(settings, table.redis, tracer_provider=tracing, supervisor=supervisor)
-        log = logging.getLogger("gateway")
-        log.info(
-            "kvgate listening on %s",
-            await listeners.enter_async_context(running(app, settings.host, settings.port)),
+        siblings = place.siblings if place else None
+        app = build_app(
+            settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings
         )
+        log = logging.getLogger("gateway")
+        api = running(app, settings.host, settings.port, sock=place.api if place else None)
+        log.info("kvgate listening on %s", await listeners.enter_async_context(api))
         if ADMIN_LISTENER in app:
-            admin = running(app[ADMIN_LISTENER], settings.admin_host, settings.admin_port)
+            sock = place.admin if place else None
+            admin = running(app[ADMIN_LISTENER], settings.admin_host, settings.admin_port, sock=sock)
             log.info("admin listener on %s", await listeners.enter_async_context(admin))
+        if place is not None:
+            place.siblings.track(app[METRICS])
+            views = place.siblings.serving(app[METRICS].exposition, lambda: local_health(app))
+            await listeners.enter_async_context(views)
+            place.serving()  # the parent knows this worker started
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -244,6 +262,7 @@ COMMANDS: dict[str, Command] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --workers' workers are started with
     if args.command == "script":  # needs no settings and no Redis: the text Redis would run
         print(assemble_script(args.name), end="")
         return 0

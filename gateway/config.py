@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     """Address the gateway listens on."""
     port: int = Field(8080, ge=0, le=65535)
     """Port the gateway listens on (0: any free port)."""
+    workers: int | None = Field(None, ge=1, le=256)
+    """Processes serving the port (docs/workers.md); default: one per core this process may run on; 1: one."""
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Base URLs of the replicas kvgate fronts (flag: repeat it; environment: comma-separated)."""
     store: str = ".kvgate/store"

@@ -103,9 +103,14 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def running(
-    app: web.Application, host: str = "127.0.0.1", port: int | None = None
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    sock: socket.socket | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``app`` (its cleanup contexts run on the way in and out); yields its base URL."""
+    """Serve ``app`` (its cleanup contexts run on the way in and out); yields its base URL. With ``sock``
+    (a listening socket this process inherited: ``--workers``), on it, not on ``host``:``port``."""
     limits = app.get(EDGE) or EdgeLimits.of(Settings.model_construct())  # defaults, no environment
     raise_open_files_limit()
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -114,6 +119,8 @@ async def running(
     assert server is not None
     addresses = AddressCounts(limits.max_connections_per_client)
     loop = asyncio.get_running_loop()
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
     port = port or free_port()
 
     handler_args = {  # the app's handler_args (its server logger), as aiohttp's own Server passes them
@@ -123,7 +130,10 @@ async def running(
     def connection() -> EdgeConnection:
         return EdgeConnection(server, loop=loop, limits=limits, addresses=addresses, **handler_args)
 
-    listener = await loop.create_server(connection, host, port, backlog=BACKLOG)
+    if sock is not None:
+        listener = await loop.create_server(connection, sock=sock, backlog=BACKLOG)
+    else:
+        listener = await loop.create_server(connection, host, port, backlog=BACKLOG)
     try:
         yield f"http://{host}:{port}"
     finally:

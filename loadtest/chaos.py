@@ -668,7 +668,7 @@ class Run:
                 "--redis-url", self.redis_server.url, "--store", str(self.store.root),
                 "--data-dir", str(self.work / f"kvgate-{i}"), "--port", str(free_port()),
                 "--drain-grace", str(DRAIN_GRACE_S), "--lease-ttl", "3", "--shutdown-timeout", "5",
-                "--expose-replica-urls",
+                "--expose-replica-urls", "--workers", "1",  # each kvgate one process, as before --workers
                 "--max-adapters-per-replica", str(self.args.budget),
                 "--canary-interval", str(self.args.canary_interval),
             )  # fmt: skip

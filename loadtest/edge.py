@@ -440,9 +440,10 @@ def measure(workdir: Path, source: Path | None, args: argparse.Namespace) -> Res
             wait_ready(stub, url + "/v1/models")
         publish(workdir)
         port = free_port()
+        # --workers 1: its RSS and open descriptors are one process's
         common = ["serve", "--port", str(port), "--replica", stubs[0], "--replica", stubs[1],
                   "--data-dir", str(workdir / "kvgate"), "--store", str(workdir / "store"),
-                  "--admin-token", TOKEN]  # fmt: skip
+                  "--admin-token", TOKEN, "--workers", "1"]  # fmt: skip
         if source is None:
             argv = [py, "-m", "gateway.cli", *common, "--max-connections-per-client", "0"]
         else:

@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kvgate = fleet.start("kvgate", [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
                                             "--data-dir", str(workdir / "kvgate"),
                                             "--store", str(workdir / "store"),
-                                            "--port", str(kv_port)])  # fmt: skip
+                                            "--port", str(kv_port), "--workers", "1"])  # fmt: skip
             kv_url = f"http://127.0.0.1:{kv_port}"
             wait_ready(kvgate, kv_url + "/healthz")
             baseline, rounds = asyncio.run(bench(kv_url, args))

@@ -198,9 +198,11 @@ async def kvgates(
     try:
         for i in range(count):
             port = free_port()
+            # --workers 1: its "one and two kvgates" are one and two processes
             command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--redis-url",
                        redis_url, "--store", str(store), *[a for r in replicas for a in ("--replica", r.url)],
-                       "--expose-replica-urls", "--max-adapters-per-replica", "8", *FAST, *flags]  # fmt: skip
+                       "--expose-replica-urls", "--max-adapters-per-replica", "8", "--workers", "1",
+                       *FAST, *flags]  # fmt: skip
             log_file = (logs / f"kvgate-{i}.log").open("ab")
             processes.append(await asyncio.create_subprocess_exec(*command, env=env, stderr=log_file))
             urls.append(f"http://127.0.0.1:{port}")

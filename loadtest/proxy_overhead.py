@@ -65,7 +65,8 @@ CONCURRENCY = (1, 64, 256)
 PEERS = ("vllm-router", "nginx")
 LABELS = {
     "direct": "direct (the stub alone)",
-    "kvgate": "**kvgate** (`kvgate serve`, 1 process)",
+    "kvgate": "**kvgate** (`kvgate serve --workers 1`)",
+    "kvgate-2": "**kvgate** (`kvgate serve --workers 2`)",
     "vllm-router": "vllm-router (Rust, `round_robin`)",
     "nginx": "nginx `proxy_pass`",
 }
@@ -200,11 +201,14 @@ def make_adapter(root: Path) -> Path:
     return root
 
 
-def publish(workdir: Path) -> dict[str, object]:
-    """Publish the synthetic adapter as the current version of LOGICAL_ID, the operator's way."""
-    adapter = make_adapter(workdir / "adapter")
+def publish(workdir: Path, data: str = "kvgate") -> dict[str, object]:
+    """Publish the synthetic adapter as the current version of LOGICAL_ID, the operator's way, into the
+    embedded Redis under ``workdir / data`` (the same bytes again: the same version)."""
+    adapter = workdir / "adapter"
+    if not adapter.is_dir():
+        make_adapter(adapter)
     argv = [sys.executable, "-m", "gateway.cli", "publish", LOGICAL_ID, str(adapter), "--json",
-            "--data-dir", str(workdir / "kvgate"), "--store", str(workdir / "store")]  # fmt: skip
+            "--data-dir", str(workdir / data), "--store", str(workdir / "store")]  # fmt: skip
     done = subprocess.run(
         argv, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=120, check=False
     )
@@ -216,9 +220,9 @@ def publish(workdir: Path) -> dict[str, object]:
     return doc
 
 
-def stop_leftover_redis(workdir: Path) -> None:
+def stop_leftover_redis(workdir: Path, data: str = "kvgate") -> None:
     """kvgate stops its embedded Redis on SIGTERM; if it was killed instead, stop the server here."""
-    sock = workdir / "kvgate" / "redis" / "redis.sock"
+    sock = workdir / data / "redis" / "redis.sock"
     if not sock.exists():
         return
     import redis
@@ -540,10 +544,15 @@ def per_round(a: Sequence[Cell], b: Sequence[Cell], value: Callable[[Cell], floa
     return [value(x) / value(y) for x, y in zip(a, b, strict=False) if value(y) > 0]
 
 
-def ratio(results: Results, peer: str, kind: str, concurrency: int, value: Callable[[Cell], float]) -> float:
-    return _median(
-        per_round(results.of("kvgate", kind, concurrency), results.of(peer, kind, concurrency), value)
-    )
+def ratio(
+    results: Results,
+    peer: str,
+    kind: str,
+    concurrency: int,
+    value: Callable[[Cell], float],
+    mine: str = "kvgate",
+) -> float:
+    return _median(per_round(results.of(mine, kind, concurrency), results.of(peer, kind, concurrency), value))
 
 
 def added(results: Results, name: str) -> tuple[float, float]:
@@ -615,8 +624,15 @@ def targets_table(results: Results, names: Sequence[str]) -> list[str]:
         else:
             verdict = "met" if kv < worst else f"**missed** (kvgate {kv / worst:.2f}x the lower peer)"
         rows.append(f"| stream p99 at c256 below both peers' | kvgate {kv:,.1f} ms; {said} | {verdict} |")
-    rows.append("| `--workers 2`: req/s ≥ 0.9x vllm-router and ≥ 1.7x one worker | - | not measured: "
-                "`kvgate serve --workers` does not exist yet |")  # fmt: skip
+    if "kvgate-2" in names:
+        for c in (64, 256):
+            if router:
+                r = ratio(results, "vllm-router", "plain", c, Cell.rps, mine="kvgate-2")
+                rows.append(f"| `--workers 2`: non-streaming req/s at c{c} ≥ 0.9x vllm-router | {_x(r)} "
+                            f"| {at_least(r, 0.9)} |")  # fmt: skip
+            r = ratio(results, "kvgate", "plain", c, Cell.rps, mine="kvgate-2")
+            rows.append(f"| `--workers 2`: non-streaming req/s at c{c} ≥ 1.7x one worker | {_x(r)} "
+                        f"| {at_least(r, 1.7)} |")  # fmt: skip
     return rows
 
 
@@ -692,14 +708,29 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str], prof
         "",
         "kvgate against each peer (per-round ratios, median; CPU: lower is better, req/s: higher is better):",
         "",
-        f"| kind | c | {head} |",
-        "| --- | ---: |" + " ---: |" * (2 * len(peers)),
+        f"| target | kind | c | {head} |",
+        "| --- | --- | ---: |" + " ---: |" * (2 * len(peers)),
     ]
-    for kind in KINDS:
-        for concurrency in CONCURRENCY:
-            row = [_x(ratio(results, p, kind, concurrency, Cell.cpu_us)) for p in peers]
-            row += [_x(ratio(results, p, kind, concurrency, Cell.rps)) for p in peers]
-            lines.append(f"| {kind} | {concurrency} | " + " | ".join(row) + " |")
+    mine = [name for name in ("kvgate", "kvgate-2") if name in names]
+    for name in mine:
+        for kind in KINDS:
+            for concurrency in CONCURRENCY:
+                row = [_x(ratio(results, p, kind, concurrency, Cell.cpu_us, mine=name)) for p in peers]
+                row += [_x(ratio(results, p, kind, concurrency, Cell.rps, mine=name)) for p in peers]
+                lines.append(f"| {LABELS[name]} | {kind} | {concurrency} | " + " | ".join(row) + " |")
+    if len(mine) == 2:
+        lines += [
+            "",
+            "Two workers against one (per-round ratios, median):",
+            "",
+            "| kind | c | req/s ÷ one worker | CPU / req ÷ one worker |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for kind in KINDS:
+            for concurrency in CONCURRENCY:
+                speed = ratio(results, "kvgate", kind, concurrency, Cell.rps, mine="kvgate-2")
+                cost = ratio(results, "kvgate", kind, concurrency, Cell.cpu_us, mine="kvgate-2")
+                lines.append(f"| {kind} | {concurrency} | {_x(speed)} | {_x(cost)} |")
     lines += [
         "",
         "Latency at concurrency 1: wrk's p50 (non-streaming) and the time to the first SSE chunk "
@@ -736,8 +767,10 @@ def render(results: Results, args: argparse.Namespace, env: dict[str, str], prof
         "its count (at c256 a few % of a cell's requests; alike for every target).",
         f"- Direct, vllm-router and nginx send the versioned name (`{env['versioned']}`) to the stub; kvgate "
         f"gets the logical ID `{LOGICAL_ID}` and rewrites it both ways, so the stub does the same work.",
-        "- kvgate: `kvgate serve` on one process, embedded redis-server (in its process tree); `--workers` "
-        "does not exist yet, so no multi-worker row. nginx: `worker_processes 1`, upstream `keepalive 256`, "
+        "- kvgate: `kvgate serve --workers 1` (one process) and `kvgate serve --workers 2` (a parent and two "
+        "workers on one listening socket, docs/workers.md), each with its own embedded redis-server in its "
+        "process tree (the same version published in both). nginx: `worker_processes 1`, upstream "
+        "`keepalive 256`, "
         f"`proxy_buffering off` (master and worker summed). vllm-router ({env['vllm-router']}): "
         "`--policy round_robin`, the stub as its only worker; one process, all its threads.",
         f"- Machine: {env['machine']}. wrk: {env['wrk']}. nginx: {env['nginx']}.",
@@ -856,17 +889,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 versioned = str(publish(workdir)["name"])
                 env["versioned"] = versioned
-                kv_port = free_port()
-                kvgate = fleet.start("kvgate", [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
-                                                "--data-dir", str(workdir / "kvgate"),
-                                                "--store", str(workdir / "store"),
+                targets = [Target("direct", stub_url, versioned, versioned, None)]
+                for name, workers in (("kvgate", 1), ("kvgate-2", 2)):
+                    if name != "kvgate":
+                        fleet.callback(stop_leftover_redis, workdir, name)
+                        publish(workdir, name)
+                    kv_port = free_port()
+                    kvgate = fleet.start(name, [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
+                                                "--data-dir", str(workdir / name),
+                                                "--store", str(workdir / "store"), "--workers", str(workers),
                                                 "--port", str(kv_port)])  # fmt: skip
-                kv_url = f"http://127.0.0.1:{kv_port}"
-                wait_ready(kvgate, kv_url + "/healthz")
-                targets = [
-                    Target("direct", stub_url, versioned, versioned, None),
-                    Target("kvgate", kv_url, LOGICAL_ID, LOGICAL_ID, kvgate),
-                ]
+                    kv_url = f"http://127.0.0.1:{kv_port}"
+                    wait_ready(kvgate, kv_url + "/healthz")
+                    targets.append(Target(name, kv_url, LOGICAL_ID, LOGICAL_ID, kvgate))
                 router_binary = ROOT / args.vllm_router  # an absolute path stays as it is
                 if router_binary.is_file() and os.access(router_binary, os.X_OK):
                     router, router_url = start_vllm_router(fleet, router_binary, stub_url)

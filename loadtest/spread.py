@@ -162,7 +162,7 @@ async def main_async(args: argparse.Namespace) -> None:
         argv = kvgate_cli(
             "serve", *(x for r in replicas for x in ("--replica", r.url)), "--redis-url", redis_server.url,
             "--store", str(store), "--data-dir", str(work / "kvgate"), "--port", str(free_port()),
-            "--expose-replica-urls", "--drain-grace", "2",
+            "--expose-replica-urls", "--drain-grace", "2", "--workers", "1",
         )  # fmt: skip
         gateway = Kvgate(0, argv, int(argv[argv.index("--port") + 1]), work / "kvgate.log")
         stack.push_async_callback(gateway.stop)

@@ -16,11 +16,11 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
 from gateway.config import Settings
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
+from tests.serve_modes import serving
 from tests.stub_backend import StubState, build_stub
 
 ADMIN_TOKEN = "edge-admin-token"
@@ -53,7 +53,7 @@ async def kvgate(
             poll_interval=0.1,
             **overrides,
         )
-        async with running(build_app(settings, redis)) as url:
+        async with serving(settings, redis, tmp_path / "serve") as url:
             yield Edge(url, stub, table, published.name)
 
 

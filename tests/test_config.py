@@ -57,6 +57,7 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path) -> None:
 FLAG_VALUES: dict[str, tuple[str, object]] = {
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("9100", 9100),
+    "workers": ("3", 3),
     "replicas": ("http://r1:8000/", ["http://r0:8000", "http://r1:8000"]),  # after --replica http://r0:8000
     "store": ("s3://bucket/adapters", "s3://bucket/adapters"),
     "replica_agents": ("http://r0:8000=http://a0:8100|/mnt/a0", ["http://r0:8000=http://a0:8100|/mnt/a0"]),

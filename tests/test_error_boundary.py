@@ -18,6 +18,10 @@ from gateway.request.proxy import Proxy
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
 from tests.edge import ADMIN_TOKEN, assert_openai_error, http_request, kvgate, raw_request
+from tests.serve_modes import (
+    IN_PROCESS_ONLY,
+    serve_shape,  # noqa: F401  (autouse: every test here runs in both shapes)
+)
 
 
 async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
@@ -126,6 +130,7 @@ async def test_a_request_for_an_id_with_a_newline_is_a_clean_404(
     assert edge.stub.received == []
 
 
+@IN_PROCESS_ONLY  # a monkeypatch and caplog reach into this process only
 async def test_an_unexpected_exception_is_a_json_500_logged_once_with_its_traceback(
     redis: Redis,
     tmp_path: Path,
@@ -148,6 +153,7 @@ async def test_an_unexpected_exception_is_a_json_500_logged_once_with_its_traceb
     assert isinstance(tracebacks[0].exc_info[1], RuntimeError)  # type: ignore[index]
 
 
+@IN_PROCESS_ONLY  # caplog sees this process's log records only
 async def test_a_client_error_is_one_log_line_without_a_traceback(
     redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -162,6 +168,7 @@ async def test_a_client_error_is_one_log_line_without_a_traceback(
     assert "404" in lines[0].getMessage()
 
 
+@IN_PROCESS_ONLY  # caplog sees this process's log records only
 async def test_malformed_http_is_a_json_400_and_one_log_line(
     redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:

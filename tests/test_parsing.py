@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from gateway.core.prefix import BLOCK_CHARS, MAX_BLOCKS, block_keys, prompt_text
 from tests.conftest import MakeAdapter
 from tests.edge import assert_openai_error, kvgate
+from tests.serve_modes import serve_shape  # noqa: F401  (autouse: every test here runs in both shapes)
 from tests.stub_backend import StubState
 
 PREFIX_CHARS = MAX_BLOCKS * BLOCK_CHARS

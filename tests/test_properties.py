@@ -34,6 +34,7 @@ from redis.asyncio import Redis
 
 from tests.conftest import MakeAdapter
 from tests.edge import ADMIN_TOKEN, LOGICAL_ID, assert_openai_error, kvgate
+from tests.serve_modes import serve_shape  # noqa: F401  (autouse: every test here runs in both shapes)
 
 EXAMPLES = settings(
     max_examples=200,

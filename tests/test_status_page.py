@@ -115,10 +115,12 @@ async def test_status_page_highlights_a_mismatched_replica_in_chromium(
     stale_stub = StubState(adapters=listing(old, other))  # still holds tenant-42's previous version
     async with running(build_stub(fresh_stub)) as fresh_url, running(build_stub(stale_stub)) as stale_url:
         port, admin_port = free_port(), free_port()
+        # --workers 1: the page's traffic counters are the answering worker's (docs/workers.md)
         command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", fresh_url,
                    "--replica", stale_url, "--port", str(port), "--admin-port", str(admin_port),
                    "--redis-url", redis_server.url,
-                   "--store", str(store.root), "--drain-grace", "600", "--max-drain", "600"]  # fmt: skip
+                   "--store", str(store.root), "--drain-grace", "600", "--max-drain", "600",
+                   "--workers", "1"]  # fmt: skip
         env = {**os.environ, "KVGATE_ADMIN_TOKEN": TOKEN}
         server = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
         try:

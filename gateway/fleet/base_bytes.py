@@ -70,7 +70,7 @@ class BaseBytes:
         self._dirty = False
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.cache_path.with_suffix(".tmp")
+            partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")  # workers share it
             partial.write_text(json.dumps(self._cache, sort_keys=True))
             os.replace(partial, self.cache_path)
         except OSError as exc:

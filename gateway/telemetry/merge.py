@@ -1,0 +1,71 @@
+"""One ``/metrics`` page from the pages of every ``--workers`` process (Prometheus text format 0.0.4).
+
+Each worker keeps its own registry (``Metrics``, its custom collectors included) and renders it as usual;
+the worker that answers a scrape merges its siblings' pages into its own, sample by sample (same name,
+same labels): counters, histograms and summaries are **summed** (requests counted by whichever worker
+served them), a ``_created`` sample takes the **earliest**, and gauges take the **largest** value. Every
+kvgate gauge is a worker's view of a state the workers share (a replica's event lag, its quarantine, the
+snapshot's staleness), so the largest is the worst view, which is what an alert should see; a sum would
+count one replica once per worker. A series only one worker has (a logical ID in its top K only) is kept
+as it is. Families keep the order of their first appearance, samples too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import utils
+
+_text: Callable[[float], str] = utils.floatToGoString  # as prometheus_client writes values
+
+
+@dataclass
+class _Family:
+    kind: str = "untyped"
+    comments: list[str] = field(default_factory=list)  # its HELP and TYPE lines, as the first page had them
+    samples: dict[str, float] = field(default_factory=dict)  # "name{labels}" -> value
+
+
+def _combine(kind: str, key: str, old: float, new: float) -> float:
+    if key.split("{", 1)[0].endswith("_created"):
+        return min(old, new)
+    if kind == "gauge":
+        return new if math.isnan(old) else old if math.isnan(new) else max(old, new)
+    return old + new
+
+
+def merge_pages(pages: Iterable[bytes]) -> bytes:
+    """The pages merged as described above; a line that is not a sample or a comment is dropped."""
+    families: dict[str, _Family] = {}
+    for page in pages:
+        current = _Family()
+        for raw in page.decode("utf-8", "replace").splitlines():
+            line = raw.strip()
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) < 3 or parts[1] not in ("HELP", "TYPE"):
+                    continue
+                current = families.setdefault(parts[2], _Family())
+                if parts[1] == "TYPE" and len(parts) == 4:
+                    current.kind = parts[3]
+                if line not in current.comments:
+                    current.comments.append(line)
+                continue
+            key, _, text = line.rpartition(" ")
+            try:
+                value = float(text)
+            except ValueError:
+                continue
+            if not key:
+                continue
+            held = current.samples.get(key)
+            current.samples[key] = value if held is None else _combine(current.kind, key, held, value)
+    out: list[str] = []
+    for family in families.values():
+        out.extend(family.comments)
+        out.extend(f"{key} {_text(value)}" for key, value in family.samples.items())
+    return ("\n".join(out) + "\n").encode() if out else b""
