@@ -10,8 +10,9 @@ import socket
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
-from gateway.request.upstream import Upstream
+from gateway.request.upstream import HIGH_WATER, Upstream
 from gateway.serving import free_port, running
 from tests.stub_backend import StubState, build_stub
 
@@ -137,3 +138,34 @@ async def test_a_connect_that_does_not_finish_in_time_is_a_timeout() -> None:
         finally:
             for sock in held:
                 sock.close()
+
+
+async def test_a_slow_reader_pauses_the_replica_instead_of_buffering_its_answer() -> None:
+    """8 MiB sent as fast as the replica can, taken slowly: reading pauses past ``HIGH_WATER`` (so kvgate's
+    memory stays bounded and the replica waits on TCP), it is not a read timeout, and every byte arrives."""
+    size, piece = 8 << 20, b"x" * 65536
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        for _ in range(size // len(piece)):
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/big", big)
+    upstream = Upstream(connect_timeout=5, read_timeout=0.2)
+    async with running(app) as url:
+        answer = await upstream.request("GET", url, "/big", None, {})
+        received, most, paused = 0, 0, False
+        async for chunk in answer.chunks():
+            received += len(chunk)
+            most = max(most, len(chunk))
+            await asyncio.sleep(0.3)  # longer than the read timeout, each time
+            paused = paused or answer.paused
+        answer.release()
+    upstream.close()
+    assert received == size
+    assert paused, "reading paused while the reader was slow"
+    assert most <= HIGH_WATER + (1 << 20), most  # what was buffered at most, one read past the mark

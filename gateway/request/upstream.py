@@ -26,6 +26,7 @@ import aiohttp
 import httptools
 
 IDLE_SECONDS = 2.0
+HIGH_WATER = 1 << 20  # bytes received and not yet taken: past this, reading pauses until they are taken
 _HEAD = b"%s %s HTTP/1.1\r\nHost: %s\r\n"
 
 
@@ -41,6 +42,8 @@ class Answer(asyncio.Protocol):
         self.content_type = "application/octet-stream"
         self.keep = False
         self.pending: list[bytes] = []
+        self.buffered = 0  # bytes in ``pending``
+        self.paused = False  # reading paused: a slow client has not taken ``pending`` yet
         self.body: bytes | None = None  # the whole body, once read
         self.complete = False
         self.failed: BaseException | None = None
@@ -80,6 +83,10 @@ class Answer(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.pending.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.transport.pause_reading()  # the replica waits (TCP backpressure); memory does not grow
+            self.paused = True
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -108,7 +115,11 @@ class Answer(asyncio.Protocol):
         arrived since the last time, in one piece (nothing waits for more)."""
         while True:
             if self.pending:
-                ready, self.pending = self.pending, []
+                ready, self.pending, self.buffered = self.pending, [], 0
+                if self.paused:
+                    self.paused = False
+                    if self.transport is not None:
+                        self.transport.resume_reading()
                 yield ready[0] if len(ready) == 1 else b"".join(ready)
             elif self.complete:
                 return
@@ -133,6 +144,9 @@ class Answer(asyncio.Protocol):
         if self.complete or self.transport is None:
             return
         due = self.last + self.read_timeout
+        if self.paused:  # nothing comes because kvgate stopped reading: not the replica's delay
+            self.last = self.loop.time()
+            due = self.last + self.read_timeout
         if self.loop.time() < due:  # bytes came meanwhile: wait from the last of them
             self.timer = self.loop.call_at(due, self._late)
             return
