@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
-from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id, row_hash
+from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id
+from gateway.table.rows import row_hash
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.reseed import Reseeder
 from gateway.telemetry.metrics import Metrics
@@ -60,7 +61,12 @@ class Snapshot:
         return iter(list(self._states.values()))
 
     def current_names(self) -> set[str]:
-        return {state.name for state in self._states.values()}
+        """Every versioned name the table serves: current versions and rollout candidates."""
+        return {version.name for state in self._states.values() for version in state.versions()}
+
+    def versions(self) -> Iterator[VersionState]:
+        """Every version served, each as a state of its own: current versions and rollout candidates."""
+        return iter([version for state in self._states.values() for version in state.versions()])
 
     def size(self) -> int:
         return len(self._states)
@@ -90,18 +96,21 @@ class Snapshot:
     def put(self, logical_id: str, state: VersionState | None) -> None:
         previous = self._states.get(logical_id)
         self.checksum += (row_hash(state) if state else 0) - (row_hash(previous) if previous else 0)
-        if previous is not None and (state is None or previous.name != state.name):
-            self._retire(previous)
+        kept = {version.name for version in state.versions()} if state is not None else set()
+        for version in previous.versions() if previous is not None else ():
+            if version.name not in kept:  # a version that stopped serving (an abort retires a candidate)
+                self._retire(version.name)
         if state is None:
             self._states.pop(logical_id, None)
         else:
             self._states[logical_id] = state
             if previous is not None and previous.epoch != state.epoch:
                 self.on_epoch_change(logical_id)
-            self.retired.pop(state.name, None)
+            for name in kept:
+                self.retired.pop(name, None)
 
-    def _retire(self, state: VersionState) -> None:
-        self.retired.setdefault(state.name, time.monotonic())
+    def _retire(self, name: str) -> None:
+        self.retired.setdefault(name, time.monotonic())
 
     def health(self) -> dict[str, dict[str, str]]:
         """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
