@@ -16,7 +16,6 @@ flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -31,7 +30,7 @@ from pydantic_settings import (
 )
 
 from gateway.adapters.store import DEFAULT_MAX_BYTES
-from gateway.core.errors import BadRequest
+from gateway.config_file import read_config_file
 from gateway.core.identity import base_identity
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K
 
@@ -95,8 +94,9 @@ class Settings(BaseSettings):
     longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
     it runs a whole period without failing. Periods: poll_interval (replica poll, adapter sweep),
     reconcile_interval (snapshot sync, API key sync, purger), lease_ttl / 4 (leases heartbeat),
-    canary_interval (canary), 2 s (the embedded Redis's supervision: failing that long, restarts of
-    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
+    canary_interval (canary), rollout_gate_interval (rollout gate), 2 s (the embedded Redis's
+    supervision: failing that long, restarts of redis-server that keep failing end ``kvgate serve``
+    with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)
@@ -153,6 +153,13 @@ class Settings(BaseSettings):
     tokenized in kvgate, keyed like the blocks replicas report (``kv_events``)."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
+    rollout_gate_interval: float = Field(10.0, ge=0)
+    """Seconds between the rollout gate's rounds: each running rollout's candidate audited on its
+    replicas and its error rate compared; a fault aborts the rollout. 0 turns the gate off."""
+    rollout_error_margin: float = Field(0.05, ge=0, le=1)
+    """The gate aborts a rollout whose candidate's error rate exceeds the current version's by more."""
+    rollout_min_requests: int = Field(50, ge=1)
+    """Candidate requests (this kvgate's) before the gate judges its error rate."""
     max_adapter_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
     """Largest adapter ``kvgate publish`` stores (the sum of its file sizes); a larger one is refused."""
     admin_token: SecretStr | None = None
@@ -281,33 +288,6 @@ class Settings(BaseSettings):
     def base_identity(self) -> str:
         """The pool's base model identity, recorded with every published version."""
         return base_identity(self.base_model, self.base_model_root)
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The settings a named TOML config file holds; any reason it cannot be read is a ``BadRequest``
-    naming the file (fail closed: a file that is not read must never mean the defaults)."""
-
-    def refused(why: str) -> BadRequest:
-        return BadRequest(f"config file {path}: {why}", param="config")
-
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise refused("does not exist") from None
-    except IsADirectoryError:
-        raise refused("is a directory, not a file") from None
-    except PermissionError:
-        raise refused("cannot be read (permission denied)") from None
-    except OSError as exc:
-        raise refused(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise refused(f"is not UTF-8 text (byte {exc.start})") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise refused(f"is not valid TOML ({exc})") from None
 
 
 def load_settings(overrides: Mapping[str, Any], config_file: Path | None) -> Settings:

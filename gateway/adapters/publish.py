@@ -21,7 +21,6 @@ from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
 from gateway.table.rollouts import RolloutChange, start_rollout
 
-
 T = TypeVar("T")
 
 
@@ -48,6 +47,7 @@ async def publish_adapter(
     """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
     called with each chunk's bytes as the store copies them; BASE_PRINT: the fingerprint of BASE
     (``core.base_print``), '' when none could be taken."""
+
     async def write(digest: str, name: str, path: str) -> Change:
         return await table.publish(logical_id, digest, name, path, base, base_print)
 

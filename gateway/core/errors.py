@@ -12,7 +12,7 @@
     ├── KeysUnavailable              503 service_unavailable    (API keys on, key table unread for too long)
     ├── InvalidAdapter               400 invalid_adapter        (publish refuses a directory)
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)
-    ├── RolloutConflict              409 conflict_error         (a rollout runs, or none does, or it is current)
+    ├── RolloutConflict              409 conflict_error         (a rollout runs, none does, or it is current)
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
     │   └── MalformedRow             500 internal_error         (a row Redis holds is not what kvgate writes)
     ├── UpstreamError                502 upstream_error

@@ -82,3 +82,5 @@ class Target:
     tokens: tuple[
         int, ...
     ] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)
+    role: str = ""  # while a rollout runs: which of its versions this is (core/split.py); '' otherwise
+    rollout: str = ""  # while a rollout runs: its candidate's digest (the rollout's figures are keyed by it)

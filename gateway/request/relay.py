@@ -40,6 +40,7 @@ from gateway.core.wire import (
     PREFIX_KEY_HEADER,
     PREFIX_MATCH_HEADER,
     REPLICA_HEADER,
+    ROLE_HEADER,
     VERSION_HEADER,
 )
 from gateway.telemetry import tracing as attr
@@ -168,6 +169,8 @@ def evidence(target: Target, replica_url: str, prefix_source: str, matched_block
         headers[VERSION_HEADER] = target.version.name
         headers[DIGEST_HEADER] = target.version.digest
         headers[EPOCH_HEADER] = str(target.version.epoch)
+    if target.role:
+        headers[ROLE_HEADER] = target.role
     if target.keys:
         headers[PREFIX_KEY_HEADER] = target.keys[0].hex()
     return headers

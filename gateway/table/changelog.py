@@ -35,7 +35,8 @@ def entry_id(position: str) -> tuple[int, int]:
 class Entry:
     position: str
     logical_id: str
-    action: str  # publish, rollback, bump, rollout, weight, promote, abort, reseeded, drift (the scrub saw a write that bypassed the scripts)
+    action: str  # publish, rollback, bump, rollout, weight, promote, abort, reseeded,
+    # drift (the scrub saw a write that bypassed the scripts)
     state: VersionState | None  # the ID's state as the change left it; None: it has none
     malformed: str = ""  # why the entry is not one the scripts write ('' : it is); such an entry is skipped
 

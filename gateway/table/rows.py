@@ -17,7 +17,14 @@ from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
 _EPOCH = re.compile(rb"[0-9]{1,18}")
 _WEIGHT = re.compile(rb"0|[1-9][0-9]{0,4}")
 _STATE_FIELDS = (b"digest", b"name", b"path", b"base")
-CANDIDATE_FIELDS = (b"cand_digest", b"cand_name", b"cand_path", b"cand_base", b"cand_base_print", b"cand_weight")
+CANDIDATE_FIELDS = (
+    b"cand_digest",
+    b"cand_name",
+    b"cand_path",
+    b"cand_base",
+    b"cand_base_print",
+    b"cand_weight",
+)
 """lua/lib/common.lua's CANDIDATE_FIELDS, in the same order (the row hash depends on it)."""
 
 

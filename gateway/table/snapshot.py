@@ -28,9 +28,9 @@ from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id
-from gateway.table.rows import row_hash
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.reseed import Reseeder
+from gateway.table.rows import row_hash
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
