@@ -21,7 +21,6 @@ from gateway.config import Settings
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest
 from gateway.core.identity import check_logical_id, versioned_name
-from gateway.core.model import WEIGHT_FULL, VersionState
 from gateway.open_table import open_table
 from gateway.table import rollouts
 
@@ -50,15 +49,6 @@ def add_rollout_parsers(commands: Any, common: Common) -> None:
 
 def percent(weight: int) -> str:
     return f"{weight / 100:g}%"
-
-
-def describe(state: VersionState) -> str:
-    """One line for a running rollout ('' : none runs)."""
-    c = state.candidate
-    if c is None:
-        return ""
-    return (f"rollout: {c.name} (candidate, epoch {state.epoch + 1}) at {percent(c.weight)}, "
-            f"{state.name} (current, epoch {state.epoch}) at {percent(WEIGHT_FULL - c.weight)}")  # fmt: skip
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:

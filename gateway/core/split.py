@@ -16,6 +16,7 @@ all of them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,3 +66,15 @@ def choose(state: VersionState, body: dict[str, Any], key_id: str | None, prompt
     if point(state.logical_id, kind, key) < state.candidate.weight:
         return Split(candidate, CANDIDATE, kind, candidate.digest)
     return Split(state, CURRENT, kind, candidate.digest)
+
+
+def rollout_view(state: VersionState) -> dict[str, Any] | None:
+    """A running rollout as JSON (None: none runs), with how the last one ended."""
+    last = json.loads(state.last_rollout) if state.last_rollout else None
+    c = state.candidate
+    if c is None:
+        return None if last is None else {"running": False, "last": last}
+    return {"running": True, "candidate": {"digest": c.digest, "name": c.name, "path": c.path,
+            "base": c.base, "epoch": state.epoch + 1, "weight": c.weight, "percent": c.weight / 100},
+            "current": {"digest": state.digest, "name": state.name, "epoch": state.epoch},
+            "last": last}  # fmt: skip
