@@ -6,6 +6,7 @@ epoch; the gate aborts a candidate that errs. The real-vLLM rollout test is test
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -123,8 +124,7 @@ async def test_a_weighted_sticky_rollout_agrees_across_two_kvgates_then_aborts_a
         out = cli(redis_server, store, "rollout", "t", str(make_adapter(b"v2")), "--percent", "25")
         assert out.startswith("rollout started: t -> t@"), out
         v2_name = out.split(" -> ")[1].split()[0]
-        for url in urls:
-            await eventually(lambda url=url: _weight_is(url, 2500), f"{url} sees the rollout at 25%")
+        await all_see(urls, 2500)
         seen = await answered(urls, users)
         a, b = seen[urls[0]], seen[urls[1]]
         assert a == b, "every user answered by the same version, in the same role, by both kvgates"
@@ -136,8 +136,7 @@ async def test_a_weighted_sticky_rollout_agrees_across_two_kvgates_then_aborts_a
 
         # weight 50 (CLI): every key that was on the candidate stays there
         assert cli(redis_server, store, "rollout", "t", "--percent", "50").startswith("weight changed")
-        for url in urls:
-            await eventually(lambda url=url: _weight_is(url, 5000), f"{url} sees the rollout at 50%")
+        await all_see(urls, 5000)
         seen = await answered(urls, users)
         assert seen[urls[0]] == seen[urls[1]]
         at_50 = on(seen, v2_name)
@@ -169,6 +168,11 @@ async def test_a_weighted_sticky_rollout_agrees_across_two_kvgates_then_aborts_a
         history = cli(redis_server, store, "history", "t")
         actions = [line.split()[3] for line in history.splitlines()[1:]]
         assert actions == ["promote", "rollout", "abort", "weight", "rollout", "publish"], history
+
+
+async def all_see(urls: list[str], weight: int) -> None:
+    for url in urls:
+        await eventually(functools.partial(_weight_is, url, weight), f"{url} sees the rollout at {weight} bp")
 
 
 async def _weight_is(url: str, weight: int) -> bool:
