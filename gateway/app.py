@@ -327,7 +327,9 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     canary = Canary(
         app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
     )
-    rules = GateRules(settings.rollout_error_margin, settings.rollout_min_requests)
+    rules = GateRules(
+        settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
+    )
     app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)
     async with contextlib.AsyncExitStack() as tasks:
         for name, interval, step in (

@@ -160,6 +160,9 @@ class Settings(BaseSettings):
     """The gate aborts a rollout whose candidate's error rate exceeds the current version's by more."""
     rollout_min_requests: int = Field(50, ge=1)
     """Candidate requests (this kvgate's) before the gate judges its error rate."""
+    rollout_audit_tolerance: float = Field(0.01, ge=0)
+    """The gate's audit counts a logprob difference as a fault only above this (or the cold runs'
+    calibrated spread): audits run beside live traffic, whose batching may move logprobs slightly."""
     max_adapter_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
     """Largest adapter ``kvgate publish`` stores (the sum of its file sizes); a larger one is refused."""
     admin_token: SecretStr | None = None

@@ -86,10 +86,11 @@ class Canary:
             return
         self._record(logical_id, await self.audit_version(version))
 
-    async def audit_version(self, version: VersionState) -> list[Verdict]:
+    async def audit_version(self, version: VersionState, floor: float = 0.0) -> list[Verdict]:
         """One round on VERSION (the current one, or a rollout's candidate as ``candidate_version``
         gives it) on each replica eligible for it now: no verdicts when none is. Counted in metrics, and a
-        faulty replica's copy quarantined; the caller keeps the verdicts."""
+        faulty replica's copy quarantined; the caller keeps the verdicts. FLOOR: the smallest logprob
+        tolerance (``verdicts.judge``)."""
         logical_id = version.logical_id
         salt = cache_salt(self.snapshot.generation, version)
         target = Target(logical_id, version.base, version, salt, [], self.pool.expected_print(version))
@@ -111,7 +112,7 @@ class Canary:
             root = replica.listing.adapters.get(name)
             observations.append(Observation(url, name, observed_digest(root), root, None, warm, cold))
         fingerprint = self._fingerprint(version.name, version.digest, observations)
-        verdicts = judge(observations, version.digest, fingerprint)
+        verdicts = judge(observations, version.digest, fingerprint, floor)
         self._count(logical_id, verdicts)
         return verdicts
 

@@ -9,6 +9,9 @@ candidates), the gate
    (``telemetry.rollout_stats``): once the candidate has served ``rollout_min_requests``, a rate above
    the current one's by more than ``rollout_error_margin`` fails it.
 
+The audit runs beside live traffic, whose batches (other adapters among them) may move a logprob by a
+few 1e-5 on the CPU build: below ``rollout_audit_tolerance`` a difference is no fault (a version served
+over another's cache, or other bytes under its name, differ by far more: 1.39 in ``make demo``).
 An ``incoherent-on-warm-hit`` or ``replica-mismatch`` verdict, or that error rate, aborts the rollout
 (``lua/abort_rollout.lua`` with the candidate's digest, so a newer rollout is never the one dropped; any
 kvgate's gate may be first, the others find it gone). Each abort is logged, counted
@@ -46,6 +49,7 @@ ERROR_RATE = "error-rate"
 class GateRules:
     error_margin: float  # the candidate's error rate may exceed the current one's by this much
     min_requests: int  # candidate requests before its error rate is judged
+    audit_tolerance: float = 0.0  # the audit's smallest logprob tolerance (verdicts.judge's floor)
 
 
 class Gate:
@@ -89,7 +93,7 @@ class Gate:
         assert candidate is not None
         if self.aborted.get(state.logical_id, ("",))[0] != candidate.digest:
             self.aborted.pop(state.logical_id, None)  # a new rollout: the last abort is history
-        verdicts = await self.canary.audit_version(candidate)
+        verdicts = await self.canary.audit_version(candidate, self.rules.audit_tolerance)
         seen = self.audits.setdefault(state.logical_id, {})
         for verdict in verdicts:
             seen[verdict.replica] = {**describe(verdict), "digest": candidate.digest}

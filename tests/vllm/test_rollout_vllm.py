@@ -133,10 +133,13 @@ async def test_the_gate_aborts_a_candidate_that_fails_its_audit_with_no_operator
         assert re.match(r"gate: (replica-mismatch|incoherent-on-warm-hit) on ", last["reason"]), last
         assert doc["rollouts"]["gated"]["state"] == "aborted"
         verdict = last["reason"].split()[1]
-        aborts = gateway.metrics.registry.get_sample_value(
-            "kvgate_rollout_gate_aborts_total", {"logical_id": "gated", "reason": verdict}
-        )
-        assert aborts == 1
+        aborts = {  # by (logical_id, reason): the ID's own label, or "other" when it is not in the top K
+            tuple(s.labels.values()): s.value
+            for m in gateway.metrics.registry.collect() if m.name == "kvgate_rollout_gate_aborts"
+            for s in m.samples if s.name.endswith("_total")
+        }  # fmt: skip
+        assert list(aborts.values()) == [1.0], aborts
+        assert next(iter(aborts))[1] == verdict
         after = await complete(http, gateway.url, "gated", "p", max_tokens=1, user="u")
         assert after.evidence["x-kvgate-version"] != cand["name"], "the current version serves it again"
     history = await kvgate_json("history", "gated", redis_url=redis_url, store=store)
