@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter, rollout_adapter
@@ -109,6 +110,7 @@ def on(seen: dict[str, dict[str, tuple[str, str, str]]], name: str) -> set[str]:
     return {user for by_user in seen.values() for user, (served, _, _) in by_user.items() if served == name}
 
 
+@pytest.mark.timeout(600)  # 5,000 requests through two kvgate processes: about 2 minutes on a loaded machine
 async def test_a_weighted_sticky_rollout_agrees_across_two_kvgates_then_aborts_and_promotes(
     redis_server: EmbeddedRedis, redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:
@@ -133,6 +135,11 @@ async def test_a_weighted_sticky_rollout_agrees_across_two_kvgates_then_aborts_a
         assert 200 <= len(at_25) <= 300, f"candidate share {len(at_25) / USERS:.1%}, wanted 25 ± 5%"
         assert {role for _, role, _ in a.values()} == {"current", "candidate"}
         assert all(role == "candidate" for user, (_, role, _) in a.items() if user in at_25)
+        rollout_line = f"rollout: {v2_name} (candidate, epoch 2) at 25%, {v1.name} (current, epoch 1) at 75%"
+        assert rollout_line in cli(redis_server, store, "status"), "kvgate status shows the rollout"
+        versions = cli(redis_server, store, "versions", "t")
+        assert rollout_line in versions
+        assert [line[:2].strip() for line in versions.splitlines()[1:3]] == ["+", "*"], versions
 
         # weight 50 (CLI): every key that was on the candidate stays there
         assert cli(redis_server, store, "rollout", "t", "--percent", "50").startswith("weight changed")
