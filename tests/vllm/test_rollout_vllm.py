@@ -46,7 +46,7 @@ async def test_at_50_percent_every_answer_is_a_cold_run_of_the_version_its_heade
     v1 = await kvgate_json(
         "publish", "ro", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
-    async with make_gateway(**FAST, rollout_gate_interval=1.0) as gateway:  # the gate on: it must not abort
+    async with make_gateway(**FAST, rollout_gate_interval=0) as gateway:  # the gate's turn comes below
         v2 = await kvgate_json("rollout", "ro", str(fixture_dir / "adapters" / "v2"), "--percent", "50",
                                redis_url=redis_url, store=store)  # fmt: skip
         assert (v2["weight"], v2["epoch"]) == (5000, v1["epoch"] + 1)
@@ -87,7 +87,16 @@ async def test_at_50_percent_every_answer_is_a_cold_run_of_the_version_its_heade
             for name in names.values()
         }
         assert texts[v1["name"]].isdisjoint(texts[v2["name"]]), "the two versions answer differently"
-        await asyncio.sleep(2.5)  # two gate rounds over a coherent candidate
+    on_candidate = {by_id[s.evidence["x-kvgate-replica"]].url for _, s in answers
+                    if s.evidence["x-kvgate-rollout"] == "candidate"}  # fmt: skip
+    async with make_gateway(**FAST, rollout_gate_interval=0.5) as gateway:  # the gate over quiet replicas
+
+        async def audited() -> bool:
+            audits = (await status(http, gateway.url))["rollouts"].get("ro", {}).get("audits", {})
+            return set(audits) >= on_candidate
+
+        await eventually(audited, "the gate audits the candidate where it is loaded", 120)
+        await asyncio.sleep(2.0)  # more rounds
         doc = await status(http, gateway.url)
         assert doc["versions"]["ro"]["rollout"]["running"], "the gate left a coherent candidate alone"
         assert doc["rollouts"]["ro"]["state"] == "watching"
