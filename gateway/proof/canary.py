@@ -86,11 +86,14 @@ class Canary:
             return
         self._record(logical_id, await self.audit_version(version))
 
-    async def audit_version(self, version: VersionState, floor: float = 0.0) -> list[Verdict]:
+    async def audit_version(
+        self, version: VersionState, floor: float = 0.0, *, quarantine: bool = True
+    ) -> list[Verdict]:
         """One round on VERSION (the current one, or a rollout's candidate as ``candidate_version``
         gives it) on each replica eligible for it now: no verdicts when none is. Counted in metrics, and a
         faulty replica's copy quarantined; the caller keeps the verdicts. FLOOR: the smallest logprob
-        tolerance (``verdicts.judge``)."""
+        tolerance (``verdicts.judge``); QUARANTINE False: the caller quarantines what it confirms
+        (``quarantine_faults``)."""
         logical_id = version.logical_id
         salt = cache_salt(self.snapshot.generation, version)
         target = Target(logical_id, version.base, version, salt, [], self.pool.expected_print(version))
@@ -103,7 +106,7 @@ class Canary:
             )
         except CannotAudit as exc:
             verdicts = [cannot_audit(r.url, exc.message) for r in replicas]
-            self._count(logical_id, verdicts)
+            self._count(logical_id, verdicts, quarantine=quarantine)
             return verdicts
         observations = []
         for replica in replicas:
@@ -113,7 +116,7 @@ class Canary:
             observations.append(Observation(url, name, observed_digest(root), root, None, warm, cold))
         fingerprint = self._fingerprint(version.name, version.digest, observations)
         verdicts = judge(observations, version.digest, fingerprint, floor)
-        self._count(logical_id, verdicts)
+        self._count(logical_id, verdicts, quarantine=quarantine)
         return verdicts
 
     def _fingerprint(self, name: str, digest: str, observations: list[Observation]) -> Sample | None:
@@ -134,7 +137,7 @@ class Canary:
         for verdict in verdicts:
             self.verdicts.setdefault(logical_id, {})[verdict.replica] = describe(verdict)
 
-    def _count(self, logical_id: str, verdicts: list[Verdict]) -> None:
+    def _count(self, logical_id: str, verdicts: list[Verdict], *, quarantine: bool = True) -> None:
         for verdict in verdicts:
             self.metrics.audits.labels(
                 self.metrics.for_id(logical_id), verdict.replica, verdict.verdict
@@ -143,6 +146,12 @@ class Canary:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail
                 )
+        if quarantine:
+            self.quarantine_faults(verdicts)
+
+    def quarantine_faults(self, verdicts: list[Verdict]) -> None:
+        """Quarantine each replica's copy that a fault verdict names."""
+        for verdict in verdicts:
             replica = self.pool.get(verdict.replica)
             if verdict.verdict in (MISMATCH, INCOHERENT) and replica is not None:
                 observed = verdict.observation

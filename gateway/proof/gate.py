@@ -10,13 +10,13 @@ candidates), the gate
    the current one's by more than ``rollout_error_margin`` fails it.
 
 The audit runs beside live traffic. On the real vLLM CPU build, audits run while other adapters'
-requests ran were seen off by max |dlogprob| 0.0000 (a few 1e-5) and once 0.0428 (tests/vllm/
-test_rollout_vllm.py, before these two rules): below ``rollout_audit_tolerance`` a difference is no fault,
-and a fault verdict aborts only when the same replica gives one ``CONFIRM`` rounds in a row (a version
-served over another's cache, or other bytes under its name, fail every round, by far more: 1.39 in
-``make demo``). An ``incoherent-on-warm-hit`` or ``replica-mismatch`` verdict so confirmed, or that error
-rate, aborts the rollout
-(``lua/abort_rollout.lua`` with the candidate's digest, so a newer rollout is never the one dropped; any
+requests ran were seen off by a max |dlogprob| printed as 0.0000 (under 5e-5) and once by 0.0428
+(tests/vllm/test_rollout_vllm.py, before these two rules): below ``rollout_audit_tolerance`` a
+difference is no fault,
+and a fault verdict counts only when a second audit, run at once, finds the same replica faulty (a
+version served over another's cache, or other bytes under its name, fail every audit, by far more: 1.39
+in ``make demo``; the copy is quarantined once confirmed, not before). An ``incoherent-on-warm-hit`` or
+``replica-mismatch`` verdict so confirmed, or that error rate, aborts the rollout (``lua/abort_rollout.lua`` with the candidate's digest, so a newer rollout is never the one dropped; any
 kvgate's gate may be first, the others find it gone). Each abort is logged, counted
 (``kvgate_rollout_gate_aborts_total{reason}``), kept in the history with its reason and, through the
 state's ``last_rollout``, shown by every kvgate's ``/kvgate/status`` and status page. ``report`` is what
@@ -45,8 +45,6 @@ from gateway.telemetry.rollout_stats import RolloutStats
 
 log = logging.getLogger(__name__)
 ABORTING = (INCOHERENT, MISMATCH)
-CONFIRM = 2
-"""Rounds in a row a replica must fail the candidate's audit before the gate aborts the rollout."""
 ERROR_RATE = "error-rate"
 
 
@@ -75,8 +73,6 @@ class Gate:
         self.rules = rules
         self.audits: dict[str, dict[str, dict[str, Any]]] = {}
         """Logical ID -> replica URL -> the candidate's last verdict there."""
-        self.suspects: dict[tuple[str, str, str], int] = {}
-        """(logical ID, candidate digest, replica) -> fault verdicts in a row there."""
         self.aborted: dict[str, tuple[str, str, float]] = {}
         """Logical ID -> (candidate digest, why, wall time) of the last rollout this gate aborted."""
 
@@ -89,7 +85,6 @@ class Gate:
         running = self._running()
         self.stats.keep({i: s.candidate.digest for i, s in running.items() if s.candidate is not None})
         self.audits = {i: a for i, a in self.audits.items() if i in running}
-        self.suspects = {k: n for k, n in self.suspects.items() if k[0] in running}
         for logical_id, state in running.items():
             try:
                 await self._judge(state)
@@ -101,14 +96,18 @@ class Gate:
         assert candidate is not None
         if self.aborted.get(state.logical_id, ("",))[0] != candidate.digest:
             self.aborted.pop(state.logical_id, None)  # a new rollout: the last abort is history
-        verdicts = await self.canary.audit_version(candidate, self.rules.audit_tolerance)
-        seen = self.audits.setdefault(state.logical_id, {})
-        for verdict in verdicts:
-            seen[verdict.replica] = {**describe(verdict), "digest": candidate.digest}
-        failed = self._confirmed(state.logical_id, candidate.digest, verdicts)
-        if failed is not None:
-            why = f"{failed.verdict} on {failed.replica}: {failed.detail}"
-            await self._abort(state, failed.verdict, why)
+        verdicts = await self._audit(candidate)
+        suspects = {v.replica for v in verdicts if v.verdict in ABORTING}
+        if suspects:  # confirmed by a second audit right away, before anything is quarantined
+            for v in (v for v in verdicts if v.replica in suspects):
+                log.warning("rollout gate: %s's candidate is %s on %s (auditing it again): %s",
+                            state.logical_id, v.verdict, v.replica, v.detail)  # fmt: skip
+            verdicts = await self._audit(candidate)
+        failed = [v for v in verdicts if v.verdict in ABORTING and v.replica in suspects]
+        if failed:
+            self.canary.quarantine_faults(failed)  # no request goes to that copy meanwhile
+            why = f"{failed[0].verdict} on {failed[0].replica}: {failed[0].detail}"
+            await self._abort(state, failed[0].verdict, why)
             return
         figures = self.stats.figures(state.logical_id, candidate.digest)
         cand, cur = figures[CANDIDATE], figures[CURRENT]
@@ -121,22 +120,12 @@ class Gate:
             )
             await self._abort(state, ERROR_RATE, why)
 
-    def _confirmed(self, logical_id: str, digest: str, verdicts: list[Verdict]) -> Verdict | None:
-        """A fault verdict on a replica that was faulty in the round before too (``CONFIRM`` rounds in a
-        row): one round's fault alone may be the batching of live traffic (see the module's doc)."""
-        found = None
+    async def _audit(self, candidate: VersionState) -> list[Verdict]:
+        verdicts = await self.canary.audit_version(candidate, self.rules.audit_tolerance, quarantine=False)
+        seen = self.audits.setdefault(candidate.logical_id, {})
         for verdict in verdicts:
-            key = (logical_id, digest, verdict.replica)
-            if verdict.verdict not in ABORTING:
-                self.suspects.pop(key, None)
-                continue
-            self.suspects[key] = self.suspects.get(key, 0) + 1
-            seen = self.suspects[key]
-            log.warning("rollout gate: %s's candidate is %s on %s (%d of %d rounds): %s", logical_id,
-                        verdict.verdict, verdict.replica, seen, CONFIRM, verdict.detail)  # fmt: skip
-            if self.suspects[key] >= CONFIRM and found is None:
-                found = verdict
-        return found
+            seen[verdict.replica] = {**describe(verdict), "digest": candidate.digest}
+        return verdicts
 
     async def _abort(self, state: VersionState, reason: str, why: str) -> None:
         assert state.candidate is not None
