@@ -16,8 +16,9 @@ difference is no fault,
 and a fault verdict counts only when a second audit, run at once, finds the same replica faulty (a
 version served over another's cache, or other bytes under its name, fail every audit, by far more: 1.39
 in ``make demo``; the copy is quarantined once confirmed, not before). An ``incoherent-on-warm-hit`` or
-``replica-mismatch`` verdict so confirmed, or that error rate, aborts the rollout (``lua/abort_rollout.lua`` with the candidate's digest, so a newer rollout is never the one dropped; any
-kvgate's gate may be first, the others find it gone). Each abort is logged, counted
+``replica-mismatch`` verdict so confirmed, or that error rate, aborts the rollout
+(``lua/abort_rollout.lua`` with the candidate's digest, so a newer rollout is never the one dropped;
+any kvgate's gate may be first, the others find it gone). Each abort is logged, counted
 (``kvgate_rollout_gate_aborts_total{reason}``), kept in the history with its reason and, through the
 state's ``last_rollout``, shown by every kvgate's ``/kvgate/status`` and status page. ``report`` is what
 this kvgate's gate saw of each rollout (its audits, the per-version figures, its state).
