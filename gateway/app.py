@@ -56,6 +56,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.table.snapshot_file import snapshot_file
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -213,11 +214,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
-            report=lambda: {
-                "quarantined": [asdict(finding) for finding in quarantine.findings()],
-                "base_mismatches": mismatch_report(pool, snapshot),
-            },
-        )
+            report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()],
+                            "base_mismatches": mismatch_report(pool, snapshot)},
+        )  # fmt: skip
         app[LOADER] = AdapterLoader(
             app[POOL],
             app[TABLE],
@@ -272,6 +271,7 @@ async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
         on_replica_hint=app[POOL].refresh_hinted,
         scrub_page=app[SETTINGS].scrub_page,
         metrics=app[METRICS],
+        file=snapshot_file(app[SETTINGS].data_dir, app[SETTINGS].snapshot_file_interval, app[METRICS]),
     )
     await sync.reconcile()
     async with app[SUPERVISOR].run("snapshot-sync", sync.run, period=app[SETTINGS].reconcile_interval):
@@ -330,7 +330,7 @@ async def _canary(app: web.Application) -> AsyncIterator[None]:
     rules = GateRules(
         settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
     )
-    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)
+    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)  # fmt: skip
     async with contextlib.AsyncExitStack() as tasks:
         for name, interval, step in (
             ("canary", settings.canary_interval, canary.run_round),

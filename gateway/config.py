@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     store: Path = Path(".kvgate/store")
     """Content-addressed adapter store; every replica must see it at the same path."""
     data_dir: Path = Path(".kvgate")
-    """Holds the embedded Redis (its data and socket)."""
+    """Holds the embedded Redis (its data and socket) and the snapshot file (snapshot_file_interval)."""
     redis_url: str | None = None
     """Use this Redis instead of the embedded one: ``redis://``, ``rediss://``, ``unix://``,
     ``redis+sentinel://HOST:PORT,.../MASTER[/DB]`` or ``redis+cluster://HOST:PORT,...`` (docs/redis.md)."""
@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     scrub_page: int = Field(1_000, ge=1)
     """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
     every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
+    snapshot_file_interval: float = Field(10.0, ge=0)
+    """Seconds between writes of the snapshot file (data_dir/snapshot.msgpack, when it moved): a start
+    loads it and catches up from the change log instead of reading the whole table; 0: no file."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between polls of every replica's /v1/models (and sweeps of retired adapters)."""
     background_failure_limit: float = Field(5.0, gt=0)

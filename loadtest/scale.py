@@ -8,7 +8,9 @@ A redis-server of its own (TCP, no persistence) gets IDS logical IDs with 3 publ
 commandstats deltas: commands run inside scripts count too), Redis CPU (INFO cpu deltas, % of one core),
 publish -> all N snapshots hold it (p50/p99, wall clock, one machine), cold-start full read time, and
 one snapshot's memory (tracemalloc) plus the RSS growth per kvgate. --old-kvgates repeats it with the
-old full-reconcile path (re-implemented in scale_worker.py, as of f4d700f) for comparison.
+old full-reconcile path (re-implemented in scale_worker.py, as of f4d700f) for comparison. Before the
+scenarios, loadtest/scale_cold.py measures cold starts side by side (--cold-kvgates processes at once,
+--cold-rounds times): a full read of the table against the snapshot file and the change log.
 
     .venv/bin/python -m loadtest.scale --ids 100000 --kvgates 1 10 100 --old-kvgates 1 \\
         --out docs/scale.md --plot docs/scale.png
@@ -43,6 +45,7 @@ from gateway import generated_docs
 from gateway.serving import free_port
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
+from loadtest import scale_cold
 
 VERSIONS = 3
 PER_PROCESS = 25  # simulated kvgates per worker process
@@ -240,11 +243,11 @@ def sent_idle(r: Result) -> float:
     return (r.idle.issued if r.path == "new" else r.idle.commands) / r.kvgates
 
 
-def targets(results: list[Result]) -> str:
+def targets(results: list[Result], cold_rows: list[tuple[str, str, bool]]) -> str:
     """The issue's targets against this run's new-path rows (benchmarks, not timed tests)."""
     new = [r for r in results if r.path == "new"]
     if not new:
-        return ""
+        return _target_table(cold_rows)
     largest = max(new, key=lambda r: (r.kvgates, r.ids))
     one = min(new, key=lambda r: (r.kvgates, -r.ids))
     idle = [sent_idle(r) for r in new]
@@ -265,6 +268,10 @@ def targets(results: list[Result]) -> str:
         ("snapshot memory <= 100 MB per kvgate", f"{memory:.1f} MB ({max(r.ids for r in new):,} IDs)",
          memory <= 100),
     ]  # fmt: skip
+    return _target_table(rows + cold_rows)
+
+
+def _target_table(rows: list[tuple[str, str, bool]]) -> str:
     lines = ["| target | measured | met at the size run? |", "|---|---|---|"]
     lines += [f"| {target} | {value} | {'yes' if met else 'no'} |" for target, value, met in rows]
     return "\n".join(lines)
@@ -280,8 +287,18 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-def report(results: list[Result], populated_s: float, memory_mb: float, load_start: str, ids: int) -> str:
+def report(
+    results: list[Result],
+    populated_s: float,
+    memory_mb: float,
+    load_start: str,
+    args: argparse.Namespace,
+    cold: dict[str, Any] | None,
+) -> str:
+    ids = args.ids
     table = "\n".join([HEADER, *(row(r) for r in results)])
+    cold_table = scale_cold.table(cold, ids, args.cold_rounds) + "\n\n" if cold else ""
+    cold_rows = scale_cold.target_rows(cold, ids) if cold else []
     return f"""Machine: {machine()}; load average at the start {load_start} (other work shares it: wall-clock
 figures, cold start and convergence, include waiting for a core; command counts and Redis CPU less so).
 One run of each scenario. Populating {ids:,} IDs x {VERSIONS} versions took {populated_s:.0f} s; Redis
@@ -289,9 +306,9 @@ One run of each scenario. Populating {ids:,} IDs x {VERSIONS} versions took {pop
 
 {table}
 
-Targets (from the issue), against this run's new-path rows:
+{cold_table}Targets (from the issues), against this run's new-path rows and cold starts:
 
-{targets(results)}
+{targets(results, cold_rows)}
 
 ![Redis commands and CPU against the number of kvgates](scale.png)"""
 
@@ -348,6 +365,7 @@ async def main(args: argparse.Namespace) -> None:
         await populate(EpochTable(redis), args.ids)
         populated_s = time.monotonic() - started
         print(f"populated {args.ids:,} IDs x {VERSIONS} in {populated_s:.0f} s", flush=True)
+        cold = await scale_cold.run(url, redis, args, home, digest) if args.cold_rounds else None
         results: list[Result] = []
         for path, fleet in (("new", args.kvgates), ("old", args.old_kvgates)):
             for n in fleet:
@@ -355,7 +373,7 @@ async def main(args: argparse.Namespace) -> None:
                 print(HEADER.splitlines()[0] if not results else "", row(result), sep="\n", flush=True)
                 results.append(result)
         memory = (await redis.info("memory"))["used_memory"] / 2**20
-        text = report(results, populated_s, memory, load_start, args.ids)
+        text = report(results, populated_s, memory, load_start, args, cold)
         print(text)
         if args.out:
             generated_docs.write_block(args.out, generated_docs.measured(text))
@@ -376,6 +394,9 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=10.0, help="publishes a second in the busy window")
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured, per phase")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after the cold start, and after")
+    parser.add_argument("--cold-kvgates", type=int, nargs="*", default=[1, 10], help="started at once")
+    parser.add_argument("--cold-rounds", type=int, default=3, help="cold starts per mode (0: none)")
+    parser.add_argument("--cold-changes", type=int, default=50, help="new IDs published after the file")
     parser.add_argument("--out", type=Path, help="the doc whose generated block gets the figures")
     parser.add_argument("--plot", type=Path, help="a PNG plot")
     args = parser.parse_args()

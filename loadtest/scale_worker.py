@@ -6,7 +6,10 @@ heartbeat. The ``old`` path is what every kvgate did before the change log, re-i
 comparison (as of commit f4d700f): every interval, ``SMEMBERS kvg:ids`` and one pipeline with an
 ``HGETALL`` per ID, then ``Snapshot.replace``. It prints one JSON line when every kvgate has read the
 table ({"ready", cold-start seconds, memory}); on a line "stop" on stdin it prints the epoch changes each
-snapshot saw, with the wall time it saw them, and exits.
+snapshot saw, with the wall time it saw them, and exits. With ``--snapshot-file`` each new-path kvgate
+starts from that file (the real ``SnapshotFile``, as ``kvgate serve`` with ``snapshot_file_interval``);
+``--cold-only`` prints the ready line (with what each start read: full reads, file outcomes, checksum)
+and exits, for ``loadtest.scale_cold``.
 
     python -m loadtest.scale_worker --url redis://127.0.0.1:PORT --kvgates 25 --path new
 """
@@ -22,6 +25,7 @@ import resource
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -31,6 +35,7 @@ from gateway.table import keys
 from gateway.table.epoch_table import EpochTable, _text
 from gateway.table.rows import parse_state
 from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.table.snapshot_file import SnapshotFile
 
 Seen = list[tuple[str, int, float]]  # logical ID, epoch, wall time the snapshot took it
 
@@ -48,13 +53,14 @@ async def old_read_all(redis: Redis) -> TableView:
 
 
 class SimulatedKvgate:
-    def __init__(self, url: str, path: str, interval: float) -> None:
+    def __init__(self, url: str, path: str, interval: float, file: Path | None = None) -> None:
         self.redis = Redis.from_url(url, socket_timeout=120.0)  # a fleet starting at once queues on Redis
         self.seen: Seen = []
         self.snapshot = Snapshot(on_epoch_change=self._changed)
         self.path = path
         self.interval = interval
-        self.sync = SnapshotSync(EpochTable(self.redis), self.snapshot, interval=interval)
+        self.file = SnapshotFile(file, interval=0) if file is not None else None  # read, never written
+        self.sync = SnapshotSync(EpochTable(self.redis), self.snapshot, interval=interval, file=self.file)
 
     def _changed(self, logical_id: str) -> None:
         state = self.snapshot.get(logical_id)
@@ -92,11 +98,24 @@ async def measured_memory(url: str, path: str) -> int:
     return held
 
 
-async def main(url: str, kvgates: int, path: str, interval: float, memory: bool) -> None:
-    held = await measured_memory(url, path) if memory else 0
+async def main(args: argparse.Namespace) -> None:
+    url, kvgates, path, interval = args.url, args.kvgates, args.path, args.interval
+    held = await measured_memory(url, path) if args.memory else 0
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fleet = [SimulatedKvgate(url, path, interval) for _ in range(kvgates)]
+    fleet = [SimulatedKvgate(url, path, interval, args.snapshot_file) for _ in range(kvgates)]
+    cpu = time.process_time()  # every thread's (the file is loaded in one)
     cold = await asyncio.gather(*(kvgate.cold_start() for kvgate in fleet))
+    cpu = time.process_time() - cpu
+    if args.cold_only:
+        starts = [
+            {"full_reads": dict(k.sync.counts.full_reads), "file": k.file.outcomes if k.file else {},
+             "checksum": k.snapshot.checksum, "ids": k.snapshot.size(), "entries": k.sync.counts.entries}
+            for k in fleet
+        ]  # fmt: skip
+        print(json.dumps({"ready": True, "cold_start_s": cold, "cpu_s": cpu, "starts": starts}), flush=True)
+        for kvgate in fleet:
+            await kvgate.redis.aclose()
+        return
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tasks = [asyncio.ensure_future(kvgate.run()) for kvgate in fleet]
     ready = {"ready": True, "cold_start_s": cold, "tracemalloc_bytes": held}
@@ -121,5 +140,6 @@ if __name__ == "__main__":
     parser.add_argument("--path", choices=("new", "old"), default="new")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--memory", action="store_true", help="measure one snapshot with tracemalloc first")
-    args = parser.parse_args()
-    asyncio.run(main(args.url, args.kvgates, args.path, args.interval, args.memory))
+    parser.add_argument("--snapshot-file", type=Path, help="start each (new-path) kvgate from this file")
+    parser.add_argument("--cold-only", action="store_true", help="print the cold start and exit")
+    asyncio.run(main(parser.parse_args()))

@@ -231,3 +231,24 @@ async def test_kvgate_serves_with_a_bad_start_time_present_at_start_and_polls_th
                 return bool(seen["healthy"]) and seen["base_print"] is not None
 
             await eventually(bad_is_back, "the replica taken back and fingerprinted", 10)
+
+
+async def test_an_emptied_listing_is_a_restart_only_where_no_start_time_can_say() -> None:
+    """A listing that lost every adapter was often emptied by unloads (kvgate's budget, a peer's sweep):
+    where ``/metrics`` has a start time, that says whether the replica restarted; elsewhere the empty
+    listing is the only sign there is."""
+    async with fleet(2) as ([timed, untimed], pool, prints):
+        untimed.answers["/metrics"] = (200, "text/plain", b"# a server without a start time\n")
+        for replica in (timed, untimed):
+            replica.state.adapters["a@1"] = "/store/a1"
+        await poll(pool, prints)
+        before = [replica.incarnation for replica in pool.replicas]
+        for replica in (timed, untimed):
+            replica.state.adapters.clear()  # unloaded, no restart
+        await poll(pool, prints)
+        assert [replica.incarnation for replica in pool.replicas] == [before[0], before[1] + 1]
+        assert pool.replicas[1].restart_reason == "its listing lost every adapter"
+        timed.state.started += 100  # now it did restart
+        await poll(pool, prints)
+        assert pool.replicas[0].incarnation == before[0] + 1
+        assert pool.replicas[0].restart_reason == "its process start time changed"

@@ -2,9 +2,10 @@
 
 Behaviour (``core.base_print``): the fixed probe, greedy with token logprobs, ``PROBE_RUNS`` times, each
 in a fresh cache namespace (cold), taken when a replica first appears and again after every restart it
-is seen to make: it became reachable after being down, its listing lost every adapter (``ReplicaPool``
-notices both), or its process start time changed (``process_start_time_seconds`` in its ``/metrics``,
-checked every poll). Until the new print is taken the replica serves no version published with one.
+is seen to make: it became reachable after being down, or its process start time changed
+(``process_start_time_seconds`` in its ``/metrics``, checked every poll), or, on a replica without a start
+time, its listing lost every adapter (``ReplicaPool`` notices these). Until the new print is taken the
+replica serves no version published with one.
 
 Bytes (``fleet.base_bytes``): where ``base_model_dirs`` maps the base's served name to a directory, or
 the root the listing reports is a readable directory here. Recorded and reported (and a change of the

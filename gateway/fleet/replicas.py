@@ -199,7 +199,11 @@ class ReplicaPool:
         incarnation = replica.incarnation
         if not replica.healthy:
             replica.restarted("reachable again after being down" if replica.incarnation else "first seen")
-        elif replica.listing.adapters and not listing.adapters:
+        elif replica.listing.adapters and not listing.adapters and replica.prints.start_time is None:
+            # A replica without a start time to read: losing every adapter is the only sign of a restart.
+            # With one, the start time says (``fleet.base_prints``, every poll): an empty listing is as often
+            # kvgate's own unloads (budget, retired versions), and a false restart costs a new print and
+            # empties its KV view.
             replica.restarted("its listing lost every adapter")
         replica.listing = listing
         replica.healthy, replica.unhealthy_reason = True, ""

@@ -66,8 +66,9 @@ class ChangeLog:
         timeout = options.get("socket_timeout")
         return wanted if timeout is None else min(wanted, timeout / 2)
 
-    async def read(self, position: str, *, block_ms: int, count: int = 1_000) -> list[Entry]:
-        """The entries after POSITION, waiting up to BLOCK_MS for the first one (none: an empty list)."""
+    async def read(self, position: str, *, block_ms: int | None, count: int = 1_000) -> list[Entry]:
+        """The entries after POSITION, waiting up to BLOCK_MS for the first one (None: not waiting; none: an
+        empty list)."""
         answer: Any = await self.redis.xread({keys.LOG: position}, count=count, block=block_ms)
         if not answer:
             return []

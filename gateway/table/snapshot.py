@@ -10,15 +10,18 @@ connection drops, the snapshot is marked ``flushed``: it keeps serving what it h
 always means the same bytes, so a lagging snapshot serves the previous version coherently, never a mix),
 and when Redis answers again it catches up from the log, or reads in full if the log no longer reaches
 back that far. A new table generation rebuilds it, after the ``Reseeder`` (reseed.py) has written back
-what the snapshot held and can prove. Pub/sub stays for one thing: replica hints (another kvgate saw a
-replica's loaded adapters change), whose keys live outside the table's slot.
+what the snapshot held and can prove. Pub/sub stays for one thing: replica hints (hints.py).
+
+With a ``SnapshotFile`` (snapshot_file.py) the start reads no table: it loads the file, checks that the
+table's generation is the file's, applies the log from the file's position, and lets a heartbeat confirm
+the checksum; another generation, a position trimmed off the log or a checksum that disagrees once caught
+up set the file aside (counted) for a full read. The file is rewritten every ``interval`` it moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -27,10 +30,12 @@ from dataclasses import dataclass, field
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
-from gateway.table.changelog import START, Beat, ChangeLog, Entry, entry_id
+from gateway.table.changelog import START, Beat, ChangeLog, Entry, _text, entry_id
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
+from gateway.table.hints import ReplicaHint, ReplicaHints
 from gateway.table.reseed import Reseeder
 from gateway.table.rows import row_hash
+from gateway.table.snapshot_file import Saved, SnapshotFile
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -60,16 +65,21 @@ class Snapshot:
     def __iter__(self) -> Iterator[VersionState]:
         return iter(list(self._states.values()))
 
-    def current_names(self) -> set[str]:
-        """Every versioned name the table serves: current versions and rollout candidates."""
-        return {version.name for state in self._states.values() for version in state.versions()}
+    def current_names(self) -> set[str]:  # every versioned name served: current ones and candidates
+        return {version.name for version in self.versions()}
 
-    def versions(self) -> Iterator[VersionState]:
-        """Every version served, each as a state of its own: current versions and rollout candidates."""
+    def versions(self) -> Iterator[VersionState]:  # each version served (a candidate as one of its own)
         return iter([version for state in self._states.values() for version in state.versions()])
 
     def size(self) -> int:
         return len(self._states)
+
+    def restore(self, saved: Saved | None) -> None:
+        """Into an empty snapshot, a snapshot file's content (its checksum as the file says, its digest
+        vouching for it), not yet current; None: empty again (the file set aside), nothing read."""
+        at = (saved.generation, saved.position, saved.checksum) if saved else ("", "", 0)
+        self._states, self.malformed = (saved.states, saved.malformed) if saved else ({}, {})
+        (self.generation, self.position, self.checksum), self.refreshed_at, self.flushed = at, 0.0, True
 
     def replace(self, view: TableView, position: str = START) -> None:
         new_table = bool(self.generation) and view.generation != self.generation
@@ -97,9 +107,8 @@ class Snapshot:
         previous = self._states.get(logical_id)
         self.checksum += (row_hash(state) if state else 0) - (row_hash(previous) if previous else 0)
         kept = {version.name for version in state.versions()} if state is not None else set()
-        for version in previous.versions() if previous is not None else ():
-            if version.name not in kept:  # a version that stopped serving (an abort retires a candidate)
-                self._retire(version.name)
+        for gone in {v.name for v in previous.versions()} - kept if previous else ():  # an abort: a candidate
+            self.retired.setdefault(gone, time.monotonic())
         if state is None:
             self._states.pop(logical_id, None)
         else:
@@ -109,9 +118,6 @@ class Snapshot:
             for name in kept:
                 self.retired.pop(name, None)
 
-    def _retire(self, name: str) -> None:
-        self.retired.setdefault(name, time.monotonic())
-
     def health(self) -> dict[str, dict[str, str]]:
         """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
         return {"malformed_rows": dict(self.malformed)}
@@ -120,7 +126,6 @@ class Snapshot:
         return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")
 
 
-ReplicaHint = Callable[[str], Awaitable[None]]
 LISTEN_RETRY_S = 0.5  # a dropped log read or hint subscription is retried this soon
 BLOCK_S = 2.0  # the longest one XREAD BLOCK waits (less with a short socket timeout: longest_block)
 
@@ -139,17 +144,10 @@ class SyncCounts:
 
 class SnapshotSync:
     def __init__(
-        self,
-        table: EpochTable,
-        snapshot: Snapshot,
-        *,
-        interval: float,
-        reseeder: Reseeder | None = None,
-        on_replica_hint: ReplicaHint | None = None,
-        block: float = BLOCK_S,
-        scrub_page: int = keys.SCRUB_PAGE,
-        metrics: Metrics | None = None,
-    ) -> None:
+        self, table: EpochTable, snapshot: Snapshot, *, interval: float, reseeder: Reseeder | None = None,
+        on_replica_hint: ReplicaHint | None = None, block: float = BLOCK_S, scrub_page: int = keys.SCRUB_PAGE,
+        metrics: Metrics | None = None, file: SnapshotFile | None = None,
+    ) -> None:  # fmt: skip
         self.table = table
         self.log = ChangeLog(table, scrub_page=scrub_page)
         self.snapshot = snapshot
@@ -157,21 +155,69 @@ class SnapshotSync:
         """Seconds between heartbeats (and between the shared scrub's steps)."""
         self.block = self.log.longest_block(block)
         self.reseeder = reseeder
-        self.on_replica_hint = on_replica_hint
-        """Called with a replica's URL when some kvgate saw its loaded adapters change."""
+        self.hints = ReplicaHints(table.redis, on_replica_hint) if on_replica_hint is not None else None
+        self.file = file
+        """Where the snapshot is kept between starts (None: every start reads the table in full)."""
         self.counts = SyncCounts()
         self.metrics = metrics
         self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
         self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
         self._beat: tuple[str, float] | None = None  # (newest entry, monotonic time) of a heartbeat the
         # follower had not caught up with: once it applies that entry, the snapshot was current then
-        self._hinted: dict[str, asyncio.Task[None]] = {}  # replica URL -> its hinted refresh, running
-        self._hinted_again: set[str] = set()  # hinted again while its refresh ran: one more refresh
 
     async def reconcile(self, reason: str = "start") -> None:
-        """A full read (paged), then follow the log from the newest entry before it."""
+        """A full read (paged), then follow the log from the newest entry before it; at the start, the
+        snapshot file instead when it is there and Redis confirms it."""
         async with self._reading:
+            first = reason == "start" and not self.snapshot.position
+            if first and self.file is not None and await self._from_file(self.file):
+                return
             await self._full_read(reason)
+
+    async def _from_file(self, file: SnapshotFile) -> bool:
+        """Load FILE, check its generation, apply the log from its position, confirm with a heartbeat."""
+        saved = await asyncio.to_thread(file.load)
+        if saved is None:
+            return False
+        if (generation := _text(await self.table.redis.get(keys.GENERATION) or b"")) != saved.generation:
+            file.reject("generation", f"the file's table is {saved.generation}, Redis holds {generation!r}")
+            return False
+        snapshot = self.snapshot
+        snapshot.restore(saved)  # not current until Redis says so
+        while entries := await self.log.read(snapshot.position, block_ms=None):
+            if await self.log.trimmed_past(snapshot.position):
+                return self._set_aside(file, "trimmed", f"the log no longer reaches back to {saved.position}")
+            for entry in entries:
+                self._apply(entry)
+        beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
+        if beat.generation != snapshot.generation:
+            return self._set_aside(file, "generation", f"the table became {beat.generation!r} meanwhile")
+        if entry_id(beat.last) < entry_id(snapshot.position):  # Redis restored from an older copy, say
+            return self._set_aside(file, "ahead", f"the log ends at {beat.last}, before the file's position")
+        if self._disagrees(beat):
+            return self._set_aside(file, "checksum", "caught up, its rows' checksum is not the table's")
+        snapshot.flushed = False
+        self._confirm(beat.last, time.monotonic())
+        file.count("loaded")
+        file.written = (saved.generation, saved.position)
+        log.info("started from %s (%d IDs at %s, %.0f s old), caught up to %s", file.path, snapshot.size(),
+                 saved.position, time.time() - saved.written_at, snapshot.position)  # fmt: skip
+        return True
+
+    def _set_aside(self, file: SnapshotFile, outcome: str, reason: str) -> bool:
+        file.reject(outcome, reason)
+        self.snapshot.restore(None)
+        self._beat = None
+        return False
+
+    async def save(self) -> None:
+        """Write the snapshot file when the snapshot moved since the last one and Redis confirmed it."""
+        file, snapshot = self.file, self.snapshot
+        if file is None or snapshot.flushed or not snapshot.position or not snapshot.refreshed_at:
+            return
+        if (snapshot.generation, snapshot.position) != file.written:  # one copy at one position: no await
+            await file.save(snapshot.generation, snapshot.position, snapshot.checksum, list(snapshot),
+                            dict(snapshot.malformed))  # fmt: skip
 
     async def _full_read(self, reason: str) -> None:
         self.counts.full_reads[reason] += 1
@@ -195,12 +241,15 @@ class SnapshotSync:
         self._beat = None
 
     async def run(self) -> None:
-        """Run until cancelled: the log follower, the heartbeat and (with a hook) the replica hints."""
+        """Run until cancelled: the log follower, the heartbeat, (with a hook) the replica hints and (with
+        a file) its writer."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self._forever(LISTEN_RETRY_S, self._follow))
             group.create_task(self._forever(self.interval, self.heartbeat))
-            if self.on_replica_hint is not None:
-                group.create_task(self._forever(LISTEN_RETRY_S, self._listen))
+            if self.hints is not None:
+                group.create_task(self._forever(LISTEN_RETRY_S, self.hints.listen))
+            if self.file is not None and self.file.interval > 0:
+                group.create_task(self._forever(self.file.interval, self.save))
 
     async def _forever(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
         """A step that Redis fails (down, or refusing a command) is retried after INTERVAL; any other
@@ -217,9 +266,12 @@ class SnapshotSync:
 
     async def heartbeat(self) -> None:
         """Compare the snapshot with the table's check; a new generation or a mismatch reads it in full."""
+        reads = sum(self.counts.full_reads.values())
         beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
         self.counts.heartbeats += 1
         async with self._reading:
+            if sum(self.counts.full_reads.values()) != reads:
+                return  # a full read ran while the beat was on its way: the snapshot is newer than the beat
             if not self.snapshot.position:
                 await self._full_read("start")
             elif beat.generation != self.snapshot.generation and not self.snapshot.generation:
@@ -293,47 +345,3 @@ class SnapshotSync:
         elif held is not None and entry.state is not None and entry.state.epoch < held.epoch:
             return  # older than what a full read already showed
         self.snapshot.put(entry.logical_id, entry.state)
-
-    def _refresh_replica(self, url: str) -> None:
-        """Act on a replica hint beside the listener, never inside it: a replica slow to list its adapters
-        must not hold back the next hint. One refresh per replica at a time; a hint arriving during it
-        asks for one more."""
-        if url in self._hinted:
-            self._hinted_again.add(url)
-            return
-        task = asyncio.create_task(self._refresh_until_current(url))
-        self._hinted[url] = task
-        task.add_done_callback(lambda done: self._refreshed(url, done))
-
-    async def _refresh_until_current(self, url: str) -> None:
-        assert self.on_replica_hint is not None
-        while True:
-            self._hinted_again.discard(url)
-            await self.on_replica_hint(url)
-            if url not in self._hinted_again:
-                return
-
-    def _refreshed(self, url: str, task: asyncio.Task[None]) -> None:
-        if self._hinted.get(url) is task:
-            del self._hinted[url]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("refreshing %s on its hint failed", url, exc_info=task.exception())
-
-    async def _listen(self) -> None:
-        pubsub = self.table.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(keys.HINTS)
-            while True:
-                raise_if_cancelling()
-                message = await pubsub.get_message(timeout=1.0)
-                if message is None:
-                    continue
-                hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                if hint.startswith(keys.REPLICA_HINT_PREFIX):
-                    self._refresh_replica(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
-        finally:
-            for task in self._hinted.values():
-                task.cancel()
-            self._hinted.clear()
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -159,6 +159,15 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.snapshot_file = Counter(
+            "kvgate_snapshot_file",
+            "The local snapshot file: loaded (a start caught up from it), missing, written, write_failed, "
+            "and why a start did not use it: corrupt (unreadable, truncated, damaged), foreign (another "
+            "format), generation (another table or Redis), trimmed (the log no longer reaches it), ahead "
+            "(the log ends before it), checksum (caught up, the rows disagree with the table)",
+            ["outcome"],
+            registry=r,
+        )
         self.log_entries = Counter(
             "kvgate_table_log_entries",
             "Change-log entries applied to the snapshot, by action (drift: a write past the scripts)",
