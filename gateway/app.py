@@ -12,6 +12,7 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import secrets
@@ -39,6 +40,7 @@ from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
 from gateway.periodic import Supervisor, periodically
 from gateway.proof.canary import Canary
+from gateway.proof.gate import Gate, GateRules
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
 from gateway.request.boundary import ServerLog, openai_errors
@@ -84,6 +86,7 @@ BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
+GATE = web.AppKey("gate", Gate)
 
 
 def build_app(
@@ -223,11 +226,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         app[QUARANTINE] = quarantine = Quarantine(app[POOL], app[METRICS])
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
-            report=lambda: {
-                "quarantined": [asdict(finding) for finding in quarantine.findings()],
-                "base_mismatches": mismatch_report(pool, snapshot),
-            },
-        )
+            report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()],
+                            "base_mismatches": mismatch_report(pool, snapshot)},
+        )  # fmt: skip
         app[LOADER] = AdapterLoader(
             app[POOL],
             app[TABLE],
@@ -252,7 +253,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
-            extra_fields=lambda: operator_fields(app[METRICS], app[VERDICTS]),
+            extra_fields=lambda: {**operator_fields(app[METRICS], app[VERDICTS]),
+                                  "rollouts": app[GATE].report() if GATE in app else {}},
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
         for warning in [*start_warnings(dialect), *settings.tenant_warnings(dialect.cache_namespaces)]:
@@ -336,15 +338,23 @@ async def _purger(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _canary(app: web.Application) -> AsyncIterator[None]:
-    interval = app[SETTINGS].canary_interval
-    if not interval:
-        yield
-        return
+    """The canary over active IDs and the rollout gate over running rollouts: each on when its interval is."""
+    settings = app[SETTINGS]
     canary = Canary(
         app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
     )
-    rounds = functools.partial(periodically, interval, canary.run_round)
-    async with app[SUPERVISOR].run("canary", rounds, period=interval):
+    rules = GateRules(
+        settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
+    )
+    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)  # fmt: skip
+    async with contextlib.AsyncExitStack() as tasks:
+        for name, interval, step in (
+            ("canary", settings.canary_interval, canary.run_round),
+            ("rollout-gate", settings.rollout_gate_interval, app[GATE].run_round),
+        ):
+            if interval:
+                rounds = functools.partial(periodically, interval, step)
+                await tasks.enter_async_context(app[SUPERVISOR].run(name, rounds, period=interval))
         yield
 
 

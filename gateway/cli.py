@@ -1,5 +1,5 @@
 """``kvgate``: serve, publish, rollback, bump, audit (``cli_audit.py``), demo, keys (``cli_keys.py``),
-status, versions, history, gc (``cli_ops.py``), script.
+status, versions, history, gc (``cli_ops.py``), rollout, promote, abort (``cli_rollout.py``), script.
 
 Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
@@ -33,6 +33,7 @@ from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base
 from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
 from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
+from gateway.cli_rollout import add_rollout_parsers, cmd_abort, cmd_promote, cmd_rollout
 from gateway.config import Settings, load_settings
 from gateway.config_files import describe_invalid
 from gateway.core.base_print import short
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_parser(commands, lambda parser: _common(parser, "keys"))
     add_ops_parsers(commands, _common)
+    add_rollout_parsers(commands, _common)
 
     script = commands.add_parser("script", help="print an epoch table Lua script whole, for redis-cli --eval")
     script.add_argument("name", choices=operation_names(), help="lua/NAME.lua")
@@ -255,6 +257,9 @@ COMMANDS: dict[str, Command] = {
     "versions": cmd_versions,
     "history": cmd_history,
     "gc": cmd_gc,
+    "rollout": cmd_rollout,
+    "promote": cmd_promote,
+    "abort": cmd_abort,
     "demo": cmd_demo,
     "keys": cmd_keys,
 }

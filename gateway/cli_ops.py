@@ -29,6 +29,8 @@ from gateway.config import Settings
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
 from gateway.core.identity import ManifestEntry, check_logical_id
+from gateway.core.model import VersionState
+from gateway.core.split import rollout_view
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import dialect_for
 from gateway.open_table import open_table
@@ -82,17 +84,26 @@ async def cmd_versions(args: argparse.Namespace, settings: Settings, tracing: Tr
     if not records:
         raise ModelNotFound(f"logical ID {logical_id!r} has no published version", param="logical_id")
     current = (state.base, state.digest) if state else None
-    rows = [{**r.to_json(), "current": (r.base, r.digest) == current} for r in records]
+    c = state.candidate if state else None
+    candidate = (c.base, c.digest) if c else None
+    rows = [{**r.to_json(), "current": (r.base, r.digest) == current,
+             "candidate": (r.base, r.digest) == candidate} for r in records]  # fmt: skip
     if args.json:
         epoch = state.epoch if state else None
-        print(json.dumps({"logical_id": logical_id, "epoch": epoch, "versions": rows}, indent=2))
+        rollout = rollout_view(state) if state else None
+        print(json.dumps({"logical_id": logical_id, "epoch": epoch, "versions": rows, "rollout": rollout},
+                         indent=2))  # fmt: skip
         return
     print(f"{'':2}{'DIGEST':<18}{'PUBLISHED (UTC)':<21}{'BASE':<20}NAME")
     for row in rows:
-        mark = "*" if row["current"] else ""
+        mark = "*" if row["current"] else "+" if row["candidate"] else ""
         when = _when(row["published_ms"])
         print(f"{mark:<2}{row['digest'][:16]:<18}{when:<21}{row['base']:<20}{row['name']}")
     print(f"\n(*: the current version, epoch {state.epoch})" if state else "\nno current version")
+    if state and state.candidate:
+        print(f"(+: the rollout's candidate)\n{describe_rollout(state)}")
+    elif state and state.last_rollout:
+        print(f"last rollout: {_last(state.last_rollout)}")
 
 
 async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
@@ -107,7 +118,21 @@ async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: Tra
     print(f"{'AT (UTC)':<21}{'EPOCH':>5}  {'ACTION':<10}{'DIGEST':<18}BASE")
     for e in events:
         at, digest = _when(e.get("at_ms", 0)), str(e.get("digest", ""))[:16]
-        print(f"{at:<21}{e.get('epoch', ''):>5}  {e.get('action', ''):<10}{digest:<18}{e.get('base', '')}")
+        extra = ""
+        if e.get("role") == "candidate":  # a rollout's event: its weight, and why it ended
+            extra = f"  candidate at {e.get('weight', 0) / 100:g}%" + (
+                f": {e['reason']}" if e.get("reason") else ""
+            )
+        print(
+            f"{at:<21}{e.get('epoch', ''):>5}  {e.get('action', ''):<10}{digest:<18}{e.get('base', '')}"
+            + extra
+        )
+
+
+def _holds(root: str | None, path: str, digest: str) -> bool:
+    """A replica that lists a version under ROOT holds the version stored at PATH: the same path, or, with an
+    object store, its agent's verified copy (``<local dir>/<digest>``)."""
+    return root == path or (root is not None and "://" in path and root.rpartition("/")[2] == digest)
 
 
 async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
@@ -121,16 +146,17 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         cells = {}
         for url in replicas:
             held = sorted(name for name in loaded[url] if name.startswith(f"{state.logical_id}@"))
-            root = loaded[url].get(state.name)
-            current = root == state.path or (  # with an object store: the replica's agent's verified copy
-                root is not None and "://" in state.path and root.rpartition("/")[2] == state.digest
-            )
-            cells[url] = {"loaded": held, "current": current, "mismatch": any(n != state.name for n in held)}
+            current = _holds(loaded[url].get(state.name), state.path, state.digest)
+            served = {v.name for v in state.versions()}  # a rollout's candidate is no mismatch
+            cand = state.candidate
+            candidate = cand is not None and _holds(loaded[url].get(cand.name), cand.path, cand.digest)
+            cells[url] = {"loaded": held, "current": current, "candidate": candidate,
+                          "mismatch": any(n not in served for n in held)}  # fmt: skip
         rows.append({"logical_id": state.logical_id, "digest": state.digest, "name": state.name,
                      "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),
                      "path": state.path,
                      "loaded_on": [url for url in replicas if cells[url]["current"]],
-                     "replicas": cells})  # fmt: skip
+                     "replicas": cells, "rollout": rollout_view(state)})  # fmt: skip
     if args.json:
         matrix = {
             "generation": view.generation,
@@ -147,9 +173,13 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
     for row in rows:
         print(f"{row['logical_id']:<20} {row['epoch']:>5}  {row['digest'][:16]:<17}"
               + "".join(f"{_cell(row['replicas'][url]):<20}" for url in replicas))  # fmt: skip
+    for row in rows:
+        if row["rollout"] is not None:
+            print(f"  {row['logical_id']} {describe_rollout(view.states[row['logical_id']])}")
     for logical_id, reason in sorted(view.malformed.items()):
         print(f"{logical_id!r:<20} MALFORMED (left out of every snapshot): {reason}")
-    print("\n= current version loaded, ! another version of the ID loaded (a mismatch), - none")
+    print("\n= current version loaded, + the rollout's candidate, ! another version of the ID loaded "
+          "(a mismatch), - none")  # fmt: skip
     for column, url in zip(columns, replicas, strict=True):
         print(f"  {column}  {url}")
     print(f"\n{len(gateways)} kvgate(s) alive")
@@ -163,11 +193,26 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
                   f"{mismatch['logical_id']}: {mismatch['reason']}")  # fmt: skip
 
 
+def describe_rollout(state: VersionState) -> str:
+    c = state.candidate
+    if c is None:
+        return ""
+    return (f"rollout: {c.name} (candidate, epoch {state.epoch + 1}) at {c.weight / 100:g}%, "
+            f"{state.name} (current, epoch {state.epoch}) at {(10_000 - c.weight) / 100:g}%")  # fmt: skip
+
+
+def _last(text: str) -> str:
+    doc = json.loads(text)
+    when = _when(doc.get("at_ms", 0))
+    why = f": {doc['reason']}" if doc.get("reason") else ""
+    return f"{doc.get('outcome', '?')} {str(doc.get('digest', ''))[:16]} at {when} UTC{why}"
+
+
 def _cell(cell: dict[str, Any]) -> str:
     others = [name.split("@", 1)[1][:16] for name in cell["loaded"]]
     if cell["mismatch"]:
         return "!" + ",".join(others)
-    return "=" if cell["current"] else "-"
+    return ("=" if cell["current"] else "") + ("+" if cell.get("candidate") else "") or "-"
 
 
 async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

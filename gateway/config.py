@@ -120,8 +120,9 @@ class Settings(BaseSettings):
     longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
     it runs a whole period without failing. Periods: poll_interval (replica poll, adapter sweep),
     reconcile_interval (snapshot sync, API key sync, purger), lease_ttl / 4 (leases heartbeat),
-    canary_interval (canary), 2 s (the embedded Redis's supervision: failing that long, restarts of
-    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
+    canary_interval (canary), rollout_gate_interval (rollout gate), 2 s (the embedded Redis's
+    supervision: failing that long, restarts of redis-server that keep failing end ``kvgate serve``
+    with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)
@@ -178,6 +179,16 @@ class Settings(BaseSettings):
     tokenized in kvgate, keyed like the blocks replicas report (``kv_events``)."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
+    rollout_gate_interval: float = Field(10.0, ge=0)
+    """Seconds between the rollout gate's rounds: each running rollout's candidate audited on its
+    replicas and its error rate compared; a fault aborts the rollout. 0 turns the gate off."""
+    rollout_error_margin: float = Field(0.05, ge=0, le=1)
+    """The gate aborts a rollout whose candidate's error rate exceeds the current version's by more."""
+    rollout_min_requests: int = Field(50, ge=1)
+    """Candidate requests (this kvgate's) before the gate judges its error rate."""
+    rollout_audit_tolerance: float = Field(0.01, ge=0)
+    """The gate's audit counts a logprob difference as a fault only above this (or the cold runs'
+    calibrated spread): audits run beside live traffic, whose batching may move logprobs slightly."""
     max_adapter_bytes: int = Field(DEFAULT_MAX_BYTES, ge=1)
     """Largest adapter ``kvgate publish`` stores (the sum of its file sizes); a larger one is refused."""
     admin_token: SecretStr | None = None

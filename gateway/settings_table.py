@@ -28,6 +28,9 @@ COMMANDS = (
     "history",
     "gc",
     "agent",
+    "rollout",
+    "promote",
+    "abort",
 )
 
 # Where the table and the store are, and which base and backend they belong to: every command reads them.
@@ -43,6 +46,10 @@ _ALSO: dict[str, frozenset[str]] = {
     "publish": _ACKED
     | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
     "rollback": _ACKED,
+    "rollout": _ACKED  # a rollout stores its candidate and fingerprints its base like a publish
+    | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
+    "promote": _ACKED,
+    "abort": _ACKED,
     "bump": _ACKED,
     "gc": frozenset({"replicas", "connect_timeout", "read_timeout"}),  # it asks the replicas what they list
     "agent": frozenset(

@@ -32,7 +32,8 @@ from redis.asyncio import Redis
 from gateway.core.model import TableView
 from gateway.periodic import periodically
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, _text, parse_state
+from gateway.table.epoch_table import EpochTable, _text
+from gateway.table.rows import parse_state
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.table.snapshot_file import SnapshotFile
 

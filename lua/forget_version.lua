@@ -1,5 +1,6 @@
 --[[
-forget_version: drop every version record of DIGEST under one logical ID (any base), unless it is current.
+forget_version: drop every version record of DIGEST under one logical ID (any base), unless it is current
+(or the rollout's candidate).
 `kvgate gc` runs it before it deletes DIGEST's store directory, so a rollback can never point the table at
 bytes that are gone: a rollback that ran first made DIGEST current (refused here, gc keeps the bytes); one
 that runs after finds no such version. Needs lua/lib/common.lua prepended (`kvgate script forget_version`).
@@ -9,10 +10,11 @@ ARGV[1]  digest (64 hex)
 
 Returns {code, forgotten}:
   CODE.CHANGED    the records were dropped (forgotten: how many; 0 if there were none)
-  CODE.CURRENT    DIGEST is the logical ID's current version: nothing dropped
+  CODE.CURRENT    DIGEST is the logical ID's current version or its rollout candidate: nothing dropped
 ]]
 local digest = ARGV[1]
-if redis.call('HGET', KEYS[1], 'digest') == digest then
+local state = redis.call('HMGET', KEYS[1], 'digest', 'cand_digest')
+if state[1] == digest or state[2] == digest then
   return {CODE.CURRENT, 0}
 end
 local forgotten = 0

@@ -24,11 +24,13 @@ if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
   local page = redis.call('SSCAN', KEYS[3], check[1] or '0', 'COUNT', ARGV[3])
   for _, id in ipairs(page[2]) do
     local key = ARGV[5] .. id
-    local s = redis.pcall('HMGET', key, 'digest', 'epoch', 'base', 'name', 'path', 'base_print')
+    local s = redis.pcall('HMGET', key, 'digest', 'epoch', 'base', 'name', 'path', 'base_print',
+      unpack(CANDIDATE_FIELDS))
     if s.err then
       s = {}
     end
-    local row = row_hash(id, s[1], s[2], s[3], s[4], s[5], s[6])
+    local cand = {s[7], s[8], s[9], s[10], s[11], s[12]}
+    local row = row_hash(id, s[1], s[2], s[3], s[4], s[5], s[6], cand)
     if row ~= tonumber(redis.call('HGET', KEYS[4], id) or '0') then
       log_change(key, KEYS[5], KEYS[4], KEYS[2], id, 'drift', ARGV[4])
     end

@@ -14,13 +14,17 @@ ARGV[9]  base fingerprint (gateway/core/base_print.py; '' when published without
 Returns {code, epoch}:
   CODE.CHANGED    published: DIGEST for BASE is current under a new epoch (logged)
   CODE.UNCHANGED  DIGEST with the same base (and base fingerprint) was already current (no write, nothing logged)
+  CODE.ROLLOUT_RUNNING  a rollout runs for the ID (lua/rollout_version.lua): promote or abort it first
 The version record of (BASE, DIGEST) is rewritten on every publish, so it always holds the latest one.
 ]]
 local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local base_print = ARGV[9] or ''
-local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch', 'base_print')
+local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch', 'base_print', 'cand_digest')
 if current[1] == digest and current[2] == base and (current[4] or '') == base_print then
   return {CODE.UNCHANGED, tonumber(current[3]) or 0}
+end
+if current[5] then
+  return {CODE.ROLLOUT_RUNNING, tonumber(current[3]) or 0}
 end
 redis.call('HSET', KEYS[2], version_field(base, digest),
   cjson.encode({name = name, path = path, base = base, base_print = base_print, published_ms = tonumber(now)}))

@@ -7,7 +7,9 @@ KEYS[1]  kvg:{epochs}:state:ID     KEYS[2] kvg:{epochs}:versions:ID     KEYS[3] 
 KEYS[4]  the change log      KEYS[5] its rows hash         KEYS[6] its check hash (lua/lib/common.lua)
 ARGV[1]  logical ID
 ARGV[2]  target digest, or a unique prefix of one (at least ARGV[7] characters), or '' for the newest
-         version of BASE in the history that is not the current one
+         version of BASE in the history that is not the current one (a rollout's events, role
+         'candidate', do not count: that version was never current)
+A rollback during a rollout ends it: the candidate is dropped, an 'abort' event (reason 'rollback') logged.
 ARGV[3]  base identity BASE the rollback stays within
 ARGV[4]  now (ms)            ARGV[5] log entries kept          ARGV[6] history length kept
 ARGV[7]  shortest digest prefix accepted (kvgate passes 8)
@@ -33,7 +35,7 @@ if wanted == '' then
   for _, raw in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
     local ok, event = pcall(cjson.decode, raw)  -- an event that is not JSON (a direct write) is skipped
     if ok and type(event) == 'table' and event.base == base and type(event.digest) == 'string'
-        and not is_current(event.digest) then
+        and event.role ~= 'candidate' and not is_current(event.digest) then
       target = event.digest
       break
     end
@@ -59,6 +61,14 @@ if is_current(target) then
   return {CODE.UNCHANGED, tonumber(current[3]) or 0, target}
 end
 local version = cjson.decode(record)
+local candidate = redis.call('HMGET', KEYS[1], 'cand_digest', 'cand_base', 'cand_weight')
+if candidate[1] then
+  drop_candidate(KEYS[1])
+  redis.call('HSET', KEYS[1], 'last_rollout', cjson.encode({digest = candidate[1], outcome = 'aborted',
+    reason = 'rollback', at_ms = tonumber(now)}))
+  append_rollout(KEYS[3], ARGV[6], tonumber(current[3]) or 0, candidate[1], candidate[2], 'abort', now,
+    candidate[3] or 0, 'rollback')
+end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'digest', target, 'name', version.name, 'path', version.path,
   'base', base, 'base_print', version.base_print or '', 'updated_ms', now)

@@ -43,6 +43,7 @@ class StubState:
     loads: list[str] = field(default_factory=list)
     fail_loads: str | None = None
     check_paths: bool = False  # as vLLM: a load whose lora_path holds no adapter_config.json is a 404
+    fail_loads_of: str | None = None  # loads of a name containing this fail (fail_loads: every load)
     load_delay: float = 0.0  # seconds a load takes
     load_requests: int = 0  # load requests received (answered or not)
     busy_resets: int = 0  # /reset_prefix_cache answers {"success": false} this many times first
@@ -95,9 +96,9 @@ async def _load(request: web.Request) -> web.Response:
         await asyncio.sleep(state.load_delay)
     if state.load_gate is not None:  # a slow load: it answers once the gate opens
         await state.load_gate.wait()
-    if state.fail_loads:
+    if state.fail_loads or (state.fail_loads_of and state.fail_loads_of in body["lora_name"]):
         return web.json_response(
-            {"error": {"message": state.fail_loads, "type": "NotFoundError"}}, status=404
+            {"error": {"message": state.fail_loads or "refused", "type": "NotFoundError"}}, status=404
         )
     if state.check_paths and not (Path(body["lora_path"]) / "adapter_config.json").is_file():
         msg = f"No adapter found for {body['lora_path']}"

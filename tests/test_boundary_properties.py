@@ -35,8 +35,9 @@ from gateway.fleet.backends import answers, sglang
 from gateway.table import keys
 from gateway.table.callers import Caller, CallerTable, parse_row
 from gateway.table.changelog import _entry
-from gateway.table.epoch_table import EpochTable, parse_state
+from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.table.rows import parse_state
 from gateway.table.scripts import assemble_script
 
 QUICK = settings(

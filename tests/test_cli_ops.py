@@ -104,8 +104,18 @@ async def test_status_matrix_marks_a_replica_holding_another_version(
     doc = ok_json("status", redis_url=redis_server.url, store=store.root)
     (row,) = doc["logical_ids"]
     assert doc["replicas"] == [good, stale]
-    assert row["replicas"][good] == {"loaded": [new.name], "current": True, "mismatch": False}
-    assert row["replicas"][stale] == {"loaded": [old.name], "current": False, "mismatch": True}
+    assert row["replicas"][good] == {
+        "loaded": [new.name],
+        "current": True,
+        "candidate": False,
+        "mismatch": False,
+    }
+    assert row["replicas"][stale] == {
+        "loaded": [old.name],
+        "current": False,
+        "candidate": False,
+        "mismatch": True,
+    }
     assert row["loaded_on"] == [good]
 
     text = kvgate("status", redis_url=redis_server.url, store=store.root).stdout

@@ -107,6 +107,10 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "precise_index_entries": ("10", 10),
     "tokenizer": ("/models/llama/tokenizer.json", Path("/models/llama/tokenizer.json")),
     "canary_interval": ("7", 7.0),
+    "rollout_gate_interval": ("3", 3.0),
+    "rollout_error_margin": ("0.1", 0.1),
+    "rollout_min_requests": ("20", 20),
+    "rollout_audit_tolerance": ("0.02", 0.02),
     "redis_timeout": ("2.5", 2.5),
     "max_adapter_bytes": ("4096", 4096),
     "admin_token": ("s3cret", "s3cret"),
@@ -188,7 +192,8 @@ def test_drain_grace_flag_beats_environment_and_file(tmp_path: Path, monkeypatch
 def test_settings_from_passes_exactly_the_flags_the_command_has(command: str) -> None:
     positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"], "versions": ["t"],
                    "history": ["t"], "demo": ["--vllm-python", "py", "--fixture-dir", "fx"],
-                   "keys": ["list"]}  # fmt: skip
+                   "keys": ["list"], "rollout": ["t", "--percent", "5"], "promote": ["t"],
+                   "abort": ["t"]}  # fmt: skip
     args = build_parser().parse_args([command, *positionals.get(command, [])])
     parsed = set(vars(args)) & set(Settings.model_fields)
     assert parsed == set(setting_names(command)) == set(flag_overrides(args, command))
@@ -263,7 +268,8 @@ def test_a_named_config_file_that_cannot_be_read_is_an_error(
     monkeypatch.setenv("KVGATE_CONFIG", str(path))  # the environment's name for it: the same answer
     positionals = {"publish": ["t", "dir"], "rollback": ["t"], "bump": ["t"], "versions": ["t"],
                    "history": ["t"], "demo": ["--vllm-python", "py", "--fixture-dir", "fx"],
-                   "keys": ["list"]}  # fmt: skip
+                   "keys": ["list"], "rollout": ["t", "--percent", "5"], "promote": ["t"],
+                   "abort": ["t"]}  # fmt: skip
     for command in COMMANDS:
         with pytest.raises(BadRequest, match=why):
             settings_from(build_parser().parse_args([command, *positionals.get(command, [])]))

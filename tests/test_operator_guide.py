@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from gateway.adapters.publish import publish_adapter
+from gateway.adapters.publish import publish_adapter, rollout_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
@@ -41,7 +41,7 @@ def run(block: str, cwd: Path, data: Path) -> str:
 async def test_the_guides_redis_cli_bump_and_rollback_work_as_written(
     make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:
-    bump, rollback = redis_cli_blocks()
+    bump, rollback, *_ = redis_cli_blocks()
     data = tmp_path / "kvgate"
     (tmp_path / ".kvgate-guide").mkdir()
     with EmbeddedRedis(data) as server:
@@ -83,3 +83,41 @@ async def test_the_readme_tours_redis_cli_bump_works_as_written(
             state = await table.read_state("tenant-42")
             assert state is not None
             assert (state.digest, state.epoch) == (v2.digest, 3)
+
+
+async def test_the_guides_redis_cli_rollout_weight_abort_and_promote_work_as_written(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    _, _, weight, abort, promote = redis_cli_blocks()
+    assert ["rollout_version" in weight, "abort_rollout" in abort, "promote_candidate" in promote] == [
+        True
+    ] * 3
+    data = tmp_path / "kvgate"
+    (tmp_path / ".kvgate-guide").mkdir()
+    with EmbeddedRedis(data) as server:
+        async with Redis.from_url(server.url) as redis:
+            table = EpochTable(redis)
+            store = AdapterStore(data / "store")
+            v1 = await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+            v3 = await rollout_adapter(table, store, "tenant-42", make_adapter(b"v3"), "base", 500)
+            assert run(weight, tmp_path, data).split() == ["1", "1", "5000"]
+            state = await table.read_state("tenant-42")
+            assert state is not None
+            assert state.candidate is not None
+            assert (state.candidate.digest, state.candidate.weight) == (v3.digest, 5000)
+
+            assert run(abort, tmp_path, data).split() == ["1", "1", v3.digest]
+            newest: Any = await redis.xrevrange(keys.LOG, count=1)  # what every kvgate follows
+            ((_, logged),) = newest
+            assert (logged[b"action"], b"cand_digest" in logged) == (b"abort", False)
+            state = await table.read_state("tenant-42")
+            assert state is not None
+            assert (state.digest, state.candidate) == (v1.digest, None)
+
+            await rollout_adapter(table, store, "tenant-42", make_adapter(b"v3"), "base", 500)
+            out = run(promote, tmp_path, data).split("\n")
+            assert out[:3] == ["1", "2", v3.digest]
+            assert "promote" in out[4], "the block's `kvgate history` shows it, newest first"
+            state = await table.read_state("tenant-42")
+            assert state is not None
+            assert (state.digest, state.epoch, state.candidate) == (v3.digest, 2, None)

@@ -21,10 +21,10 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
-from gateway.core.model import VersionState
+from gateway.core.model import Candidate, VersionState
 from gateway.table import keys
-from gateway.table.changelog import row_hash
 from gateway.table.epoch_table import EpochTable
+from gateway.table.rows import row_hash
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.table.snapshot_file import DIGEST_BYTES, FILE_NAME, MAGIC, Rejected, SnapshotFile, decode, encode
 from gateway.telemetry.metrics import Metrics
@@ -325,3 +325,15 @@ async def test_rows_that_are_not_utf8_go_through_the_file_as_the_bytes_redis_hel
         assert file_count(metrics, "checksum") == 1
         assert second.snapshot.malformed == malformed
         assert dict(second.counts.full_reads) == {"start": 1}
+
+
+def test_a_rollouts_candidate_goes_through_the_file_and_a_bad_one_is_refused() -> None:
+    candidate = Candidate(D2, f"t@{D2[:16]}", f"/store/{D2}", BASE, "bp1-x", 2500)
+    with_rollout = VersionState("t", D1, f"t@{D1[:16]}", f"/store/{D1}", BASE, 3, candidate=candidate,
+                                last_rollout='{"outcome": "aborted"}')  # fmt: skip
+    plain = VersionState("u", D3, f"u@{D3[:16]}", f"/store/{D3}", BASE, 1)
+    saved = decode(encode("g", "1-0", row_hash(with_rollout) + row_hash(plain), [with_rollout, plain], {}))
+    assert saved.states == {"t": with_rollout, "u": plain}
+    bad = VersionState("t", D1, "t@1", "/s", BASE, 3, candidate=Candidate(D2, "t@2", "/s2", BASE, "", 10_001))
+    with pytest.raises(Rejected, match="candidate column"):
+        decode(encode("g", "1-0", 0, [bad], {}))

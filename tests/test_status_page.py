@@ -23,7 +23,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from gateway.adapters.publish import Published, publish_adapter
+from gateway.adapters.publish import Published, publish_adapter, rollout_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.wire import replica_id
 from gateway.serving import free_port, running
@@ -158,3 +158,51 @@ async def test_status_page_highlights_a_mismatched_replica_in_chromium(
             server.send_signal(signal.SIGTERM)
             await asyncio.wait_for(server.wait(), timeout=30)
     await eventually(lambda: server.returncode == 0, "kvgate stopped cleanly", 1)
+
+
+def shows_the_rollout(driver: WebDriver, page: str, replica: str, shot: Path) -> None:
+    wait = WebDriverWait(driver, 20, poll_frequency=0.1)
+    driver.get(page)
+    log_in(driver, TOKEN)
+    wait.until(lambda d: ("tenant-42", replica) in cell_classes(d))
+    cells = cell_classes(driver)
+    assert "candidate" in cells["tenant-42", replica], "the candidate's copy is no mismatch"
+    assert "mismatch" not in cells["tenant-42", replica]
+    column = driver.find_element(By.CSS_SELECTOR, "tr[data-id='tenant-42'] td.rollout").text
+    assert "25 %" in column, column
+    assert "gate: watching" in column, column
+    listed = driver.find_element(By.CSS_SELECTOR, "#rollouts li[data-id='tenant-42']").text
+    assert "(candidate, epoch 2) at 25 % beside" in listed, listed
+    assert "candidate: " in listed, "the per-version figures"
+    driver.save_screenshot(str(shot))
+
+
+async def test_status_page_shows_a_running_rollout_in_chromium(
+    redis: Redis, redis_server: EmbeddedRedis, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    table = EpochTable(redis)
+    await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+    cand = await rollout_adapter(table, store, "tenant-42", make_adapter(b"v2"), "base", 2500)
+    stub = StubState(adapters={cand.name: str(cand.path)})
+    async with running(build_stub(stub)) as stub_url:
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port", str(port),
+                   "--redis-url", redis_server.url, "--store", str(store.root), "--drain-grace", "600",
+                   "--rollout-gate-interval", "1"]  # fmt: skip
+        env = {**os.environ, "KVGATE_ADMIN_TOKEN": TOKEN}
+        server = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            await until_healthy(f"http://127.0.0.1:{port}")
+            driver = await asyncio.to_thread(chromium)
+            try:
+                shot = tmp_path / "status-page-rollout.png"
+                page = f"http://127.0.0.1:{port}/kvgate/"
+                await asyncio.to_thread(shows_the_rollout, driver, page, replica_id(stub_url), shot)
+                if target := os.environ.get("KVGATE_ROLLOUT_SCREENSHOT"):
+                    shutil.copyfile(shot, target)
+            finally:
+                await asyncio.to_thread(driver.quit)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(server.wait(), timeout=30)

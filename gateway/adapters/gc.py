@@ -4,6 +4,7 @@ A version ``<store>/<digest>/`` (a directory, or an object store's manifest and 
 of these holds, and removed otherwise:
 
 - ``current``: it is some logical ID's current version;
+- ``candidate``: it is some logical ID's rollout candidate (``kvgate rollout``);
 - ``recent``: it is among some logical ID's last ``keep_last`` published versions;
 - ``was-current``: some logical ID had it current within the retention period (its history);
 - ``loaded``: a replica lists it (the listings kvgates record in Redis, and any live listing given);
@@ -166,12 +167,16 @@ async def _needed(table: EpochTable, policy: Policy, listings: Listings, now: fl
     view = await table.read_all()
     for state in view.states.values():
         need(state.digest, "current")
+        if state.candidate is not None:
+            need(state.candidate.digest, "candidate")
     since_ms = (now - policy.retention_s) * 1000
     for logical_id in await read_ids(table):
         for record in (await read_versions(table, logical_id))[: policy.keep_last]:
             need(record.digest, "recent")
         newer_at: float = float("inf")  # the history is newest first: each event's digest was current until
         for event in await table.read_history(logical_id):  # the next newer event
+            if event.get("role") == "candidate":  # a rollout's event: that version was not current
+                continue
             if newer_at > since_ms:
                 need(str(event.get("digest", "")), "was-current")
             newer_at = float(event.get("at_ms", 0))

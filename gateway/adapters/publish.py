@@ -10,14 +10,19 @@ another logical ID in that instant, which it cannot see).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from gateway.adapters.objstore import ObjectArtifact, ObjectStore
 from gateway.adapters.store import AdapterStore, Progress, StoredArtifact
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
+from gateway.table.rollouts import RolloutChange, start_rollout
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,61 @@ async def publish_adapter(
     """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
     called with each chunk's bytes as the store copies them; BASE_PRINT: the fingerprint of BASE
     (``core.base_print``), '' when none could be taken."""
+
+    async def write(digest: str, name: str, path: str) -> Change:
+        return await table.publish(logical_id, digest, name, path, base, base_print)
+
+    digest, name, path, change = await _store_then(
+        table, store, logical_id, adapter_dir, base, manifest, progress, write
+    )
+    return Published(logical_id, digest, name, path, change)
+
+
+@dataclass(frozen=True, slots=True)
+class RolledOut:
+    logical_id: str
+    digest: str
+    name: str
+    path: Path | str  # the store\'s directory, or its s3:// location
+    change: RolloutChange
+
+
+async def rollout_adapter(
+    table: EpochTable,
+    store: AdapterStore | ObjectStore,
+    logical_id: str,
+    adapter_dir: Path,
+    base: str,
+    weight: int,
+    *,
+    manifest: list[ManifestEntry] | None = None,
+    progress: Progress | None = None,
+    base_print: str = "",
+) -> RolledOut:
+    """Like ``publish_adapter``, but the bytes become the ID's rollout candidate at WEIGHT basis points
+    (``lua/rollout_version.lua``) beside its current version."""
+
+    async def write(digest: str, name: str, path: str) -> RolloutChange:
+        return await start_rollout(table, logical_id, digest, name, path, base, weight, base_print)
+
+    digest, name, path, change = await _store_then(
+        table, store, logical_id, adapter_dir, base, manifest, progress, write
+    )
+    return RolledOut(logical_id, digest, name, path, change)
+
+
+async def _store_then(
+    table: EpochTable,
+    store: AdapterStore | ObjectStore,
+    logical_id: str,
+    adapter_dir: Path,
+    base: str,
+    manifest: list[ManifestEntry] | None,
+    progress: Progress | None,
+    write: Callable[[str, str, str], Awaitable[T]],
+) -> tuple[str, str, Path | str, T]:
+    """The store first, then the table's WRITE (digest, versioned name, path); the stored copy removed
+    again when the write failed and the table cannot hold it."""
     check_logical_id(logical_id)
     if manifest is None:
         manifest = store.scan(adapter_dir)
@@ -50,12 +110,12 @@ async def publish_adapter(
     artifact = store.ingest(adapter_dir, manifest, progress)
     name = versioned_name(logical_id, artifact.digest)
     try:
-        change = await table.publish(logical_id, artifact.digest, name, str(artifact.path), base, base_print)
+        change = await write(artifact.digest, name, str(artifact.path))
     except Exception:
         if artifact.created and not await _may_be_recorded(table, logical_id, base, artifact.digest):
             _remove(store, artifact)
         raise
-    return Published(logical_id, artifact.digest, name, artifact.path, change)
+    return artifact.digest, name, artifact.path, change
 
 
 def _remove(store: AdapterStore | ObjectStore, artifact: StoredArtifact | ObjectArtifact) -> None:

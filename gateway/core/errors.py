@@ -12,6 +12,7 @@
     ├── KeysUnavailable              503 service_unavailable    (API keys on, key table unread for too long)
     ├── InvalidAdapter               400 invalid_adapter        (publish refuses a directory)
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)
+    ├── RolloutConflict              409 conflict_error         (a rollout runs, none does, or it is current)
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
     │   └── MalformedRow             500 internal_error         (a row Redis holds is not what kvgate writes)
     ├── UpstreamError                502 upstream_error
@@ -149,6 +150,14 @@ class InvalidAdapter(KvgateError):
 class VersionNotFound(KvgateError):
     status = 404
     type = "not_found_error"
+
+
+class RolloutConflict(KvgateError):
+    """A rollout operation the table's state refuses: another candidate runs (or a publish meets one), no
+    rollout runs to change, promote or abort, or the candidate's bytes are already current."""
+
+    status = 409
+    type = "conflict_error"
 
 
 class EpochTableError(KvgateError):

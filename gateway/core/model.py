@@ -10,6 +10,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """A rollout's new version beside the current one (``kvgate rollout``): its own bytes, versioned name,
+    store path and base; ``weight`` is its share of the ID's traffic in basis points (0..10000)."""
+
+    digest: str
+    name: str
+    path: str
+    base: str
+    base_print: str
+    weight: int
+
+
+WEIGHT_FULL = 10_000
+"""A candidate's weight is in basis points: 10,000 is all of the traffic."""
+
+
+@dataclass(frozen=True, slots=True)
 class VersionState:
     """What a logical ID points at right now."""
 
@@ -20,6 +37,21 @@ class VersionState:
     base: str  # base model identity the version was published for
     epoch: int
     base_print: str = ""  # fingerprint of that base (core/base_print.py); '' when published without one
+    candidate: Candidate | None = None  # a rollout running beside it (at most one)
+    last_rollout: str = ""  # how the last rollout ended (JSON: digest, outcome, reason, at_ms); '' : none
+
+    def candidate_version(self) -> VersionState | None:
+        """The candidate as a version of its own: its epoch is the one a promote gives it (epoch + 1), so
+        its cache namespace is its own and carries over when it is promoted."""
+        c = self.candidate
+        if c is None:
+            return None
+        return VersionState(self.logical_id, c.digest, c.name, c.path, c.base, self.epoch + 1, c.base_print)
+
+    def versions(self) -> tuple[VersionState, ...]:
+        """The current version, then the candidate when a rollout runs (each served under its own name)."""
+        candidate = self.candidate_version()
+        return (self, candidate) if candidate is not None else (self,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +82,5 @@ class Target:
     tokens: tuple[
         int, ...
     ] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)
+    role: str = ""  # while a rollout runs: which of its versions this is (core/split.py); '' otherwise
+    rollout: str = ""  # while a rollout runs: its candidate's digest (the rollout's figures are keyed by it)

@@ -26,6 +26,7 @@ EPOCH_HEADER = "x-kvgate-epoch"
 REPLICA_HEADER = "x-kvgate-replica"
 PREFIX_KEY_HEADER = "x-kvgate-prefix-key"
 PREFIX_MATCH_HEADER = "x-kvgate-prefix-match"  # "precise:3": the blocks the decision matched, and by what
+ROLE_HEADER = "x-kvgate-rollout"  # while a rollout runs: "current" or "candidate" (which version answered)
 EVIDENCE_HEADERS = (
     VERSION_HEADER,
     DIGEST_HEADER,
@@ -33,6 +34,7 @@ EVIDENCE_HEADERS = (
     REPLICA_HEADER,
     PREFIX_KEY_HEADER,
     PREFIX_MATCH_HEADER,
+    ROLE_HEADER,
 )
 """Response headers that say which effective model answered."""
 PIN_HEADER = "x-kvgate-pin"

@@ -287,7 +287,7 @@ class AdapterLoader:
         await self._repair()
         current = self.snapshot.current_names()
         now = time.monotonic()
-        by_name = {state.name: state for state in self.snapshot}
+        by_name = {state.name: state for state in self.snapshot.versions()}
         for replica in self.pool.healthy():
             for name in self._managed(replica):
                 if name in by_name and mismatch(self.pool, replica, by_name[name]) is not None:

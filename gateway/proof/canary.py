@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from gateway.core.errors import KvgateError
-from gateway.core.model import Target
+from gateway.core.model import Target, VersionState
 from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
 from gateway.fleet.quarantine import Quarantine
@@ -84,18 +84,30 @@ class Canary:
         version = self.snapshot.get(logical_id)
         if version is None:
             return
+        self._record(logical_id, await self.audit_version(version))
+
+    async def audit_version(
+        self, version: VersionState, floor: float = 0.0, *, quarantine: bool = True
+    ) -> list[Verdict]:
+        """One round on VERSION (the current one, or a rollout's candidate as ``candidate_version``
+        gives it) on each replica eligible for it now: no verdicts when none is. Counted in metrics, and a
+        faulty replica's copy quarantined; the caller keeps the verdicts. FLOOR: the smallest logprob
+        tolerance (``verdicts.judge``); QUARANTINE False: the caller quarantines what it confirms
+        (``quarantine_faults``)."""
+        logical_id = version.logical_id
         salt = cache_salt(self.snapshot.generation, version)
         target = Target(logical_id, version.base, version, salt, [], self.pool.expected_print(version))
         replicas = eligible(self.pool.replicas, target)
         if not replicas:
-            return
+            return []
         try:
             prompt = await self._probe(
                 version.base, DirectTarget(tuple(r.url for r in replicas), version.name)
             )
         except CannotAudit as exc:
-            self._record(logical_id, [cannot_audit(r.url, exc.message) for r in replicas])
-            return
+            verdicts = [cannot_audit(r.url, exc.message) for r in replicas]
+            self._count(logical_id, verdicts, quarantine=quarantine)
+            return verdicts
         observations = []
         for replica in replicas:
             url, name = replica.url, version.name
@@ -103,7 +115,9 @@ class Canary:
             root = replica.listing.adapters.get(name)
             observations.append(Observation(url, name, observed_digest(root), root, None, warm, cold))
         fingerprint = self._fingerprint(version.name, version.digest, observations)
-        self._record(logical_id, judge(observations, version.digest, fingerprint))
+        verdicts = judge(observations, version.digest, fingerprint, floor)
+        self._count(logical_id, verdicts, quarantine=quarantine)
+        return verdicts
 
     def _fingerprint(self, name: str, digest: str, observations: list[Observation]) -> Sample | None:
         """The version's fingerprint: the first cold answer seen from a replica whose bytes match."""
@@ -121,20 +135,32 @@ class Canary:
 
     def _record(self, logical_id: str, verdicts: list[Verdict]) -> None:
         for verdict in verdicts:
+            self.verdicts.setdefault(logical_id, {})[verdict.replica] = describe(verdict)
+
+    def _count(self, logical_id: str, verdicts: list[Verdict], *, quarantine: bool = True) -> None:
+        for verdict in verdicts:
             self.metrics.audits.labels(
                 self.metrics.for_id(logical_id), verdict.replica, verdict.verdict
             ).inc()
-            self.verdicts.setdefault(logical_id, {})[verdict.replica] = {
-                "verdict": verdict.verdict, "detail": verdict.detail,
-                "name": verdict.observation.served, "at_ms": int(time.time() * 1000),
-            }  # fmt: skip
             if verdict.verdict != COHERENT:
                 log.error(
                     "canary: %s on %s is %s: %s", logical_id, verdict.replica, verdict.verdict, verdict.detail
                 )
+        if quarantine:
+            self.quarantine_faults(verdicts)
+
+    def quarantine_faults(self, verdicts: list[Verdict]) -> None:
+        """Quarantine each replica's copy that a fault verdict names."""
+        for verdict in verdicts:
             replica = self.pool.get(verdict.replica)
             if verdict.verdict in (MISMATCH, INCOHERENT) and replica is not None:
                 observed = verdict.observation
                 self.quarantine.add(
                     replica, observed.served, f"canary: {verdict.verdict}", observed.loaded_root or ""
                 )
+
+
+def describe(verdict: Verdict) -> dict[str, Any]:
+    """A verdict as ``/kvgate/status`` shows it."""
+    return {"verdict": verdict.verdict, "detail": verdict.detail, "name": verdict.observation.served,
+            "at_ms": int(time.time() * 1000)}  # fmt: skip

@@ -63,6 +63,7 @@ async def complete(
     max_tokens: int = PROBE_MAX_TOKENS,
     cache_salt: str | None = None,
     headers: Mapping[str, str] | None = None,
+    user: str | None = None,
 ) -> Sample:
     """One greedy completion with token logprobs; ``AuditError`` for an error or a malformed answer."""
     body: dict[str, object] = {
@@ -74,6 +75,8 @@ async def complete(
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if user is not None:  # OpenAI's end-user field: a rollout's split key (core/split.py)
+        body["user"] = user
     async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
             raise AuditError(f"{base_url} answered {response.status}: {await response.text()}")

@@ -53,17 +53,21 @@ class Verdict:
 
 
 def judge(
-    observations: Sequence[Observation], expected_digest: str | None = None, fingerprint: Sample | None = None
+    observations: Sequence[Observation],
+    expected_digest: str | None = None,
+    fingerprint: Sample | None = None,
+    floor: float = 0.0,
 ) -> list[Verdict]:
     """Verdicts for one round. The reference is ``expected_digest``, else the most common digest;
-    ``fingerprint`` is the version's cold answer recorded earlier (the canary's, from its first load)."""
+    ``fingerprint`` is the version's cold answer recorded earlier (the canary's, from its first load);
+    ``floor``: the smallest logprob tolerance (the rollout gate's, for audits under live traffic)."""
     sampled = [o for o in observations if o.base_mismatch is None]
     digests = [o.digest for o in sampled if o.digest]
     reference_digest = expected_digest or (Counter(digests).most_common(1)[0][0] if digests else None)
     reference = next((o for o in sampled if o.digest == reference_digest), sampled[0] if sampled else None)
     return [
         _other_base(o) if o.base_mismatch is not None or reference is None else
-        _judge_one(o, reference, reference_digest, fingerprint)
+        _judge_one(o, reference, reference_digest, fingerprint, floor)
         for o in observations
     ]  # fmt: skip
 
@@ -77,11 +81,15 @@ def _other_base(obs: Observation) -> Verdict:
 
 
 def _judge_one(
-    obs: Observation, reference: Observation, reference_digest: str | None, fingerprint: Sample | None
+    obs: Observation,
+    reference: Observation,
+    reference_digest: str | None,
+    fingerprint: Sample | None,
+    floor: float = 0.0,
 ) -> Verdict:
     first_cold = obs.cold[0]
     spread = max((first_cold.max_logprob_diff(other) for other in obs.cold[1:]), default=0.0)
-    tolerance = spread * TOLERANCE_MARGIN
+    tolerance = max(spread * TOLERANCE_MARGIN, floor)
     hit = max((w.cached_tokens for w in obs.warm), default=0)
 
     def verdict(name: str, detail: str) -> Verdict:

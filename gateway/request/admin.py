@@ -18,6 +18,7 @@ from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, Unauthorized
 from gateway.core.identity import base_name
 from gateway.core.prefix import PrefixIndex
+from gateway.core.split import rollout_view
 from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER, replica_id
 from gateway.fleet.base_prints import base_status
 from gateway.fleet.leases import Leases
@@ -108,7 +109,8 @@ class Admin:
         self.check(request)
         versions = {
             s.logical_id: {"digest": s.digest, "name": s.name, "epoch": s.epoch, "base": s.base,
-                           "path": s.path, "base_print": short(self.pool.expected_print(s))}
+                           "path": s.path, "base_print": short(self.pool.expected_print(s)),
+                           "rollout": rollout_view(s)}
             for s in self.snapshot
         }  # fmt: skip
         replicas = [

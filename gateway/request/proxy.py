@@ -28,12 +28,15 @@ from gateway.core.errors import (
     BackendUnreachable,
     ClientClosed,
     KvgateError,
+    NoEligibleReplica,
+    UpstreamError,
     VersionForgotten,
 )
 from gateway.core.identity import is_logical_id
 from gateway.core.model import Target
 from gateway.core.prefix import BLOCK_CHARS, PREFIX_CHARS, block_keys
 from gateway.core.scheduler import Decision, Scheduler
+from gateway.core.split import choose
 from gateway.core.wire import (
     AUTHORIZATION_HEADER,
     cache_salt,
@@ -58,6 +61,7 @@ from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import UNKNOWN, Metrics
+from gateway.telemetry.rollout_stats import RolloutStats
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +94,11 @@ class Proxy:
         activity: dict[str, float],
         metrics: Metrics,
         tracer: Tracer,
+        rollouts: RolloutStats | None = None,
     ) -> None:
         self.snapshot = snapshot
+        self.rollouts = rollouts if rollouts is not None else RolloutStats()
+        """Per-version figures of the running rollouts (the gate reads them)."""
         self.pool = pool
         self.scheduler = scheduler
         self.placement = Placement(pool, scheduler, loader, leases)  # stage 3 carries the loader and leases
@@ -118,7 +125,7 @@ class Proxy:
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.monotonic()
-        label, outcome = UNKNOWN, "error"
+        label, outcome, target, fault = UNKNOWN, "error", None, False
         spanning = self._span() if self.tracing else contextlib.nullcontext(INVALID_SPAN)
         with spanning as span:
             try:
@@ -130,10 +137,10 @@ class Proxy:
                     self.activity[target.logical_id] = started
                 _describe_target(span, route, target, self.dialect.name)
                 response = await self.schedule_and_forward(request, parsed, target, span, started)
-                outcome = str(response.status)
+                outcome, fault = str(response.status), response.status >= 500
                 return response
             except KvgateError as exc:
-                outcome = exc.type
+                outcome, fault = exc.type, isinstance(exc, _FAULTS)
                 exc.message = relay.public_message(exc.message, self.replica_names)  # no URL, no version
                 span.set_status(StatusCode.ERROR, exc.message)
                 raise
@@ -143,6 +150,9 @@ class Proxy:
             finally:
                 self.metrics.child(self.metrics.requests, label, outcome).inc()
                 self.metrics.latency.observe(time.monotonic() - started)
+                if target is not None and target.role:  # a rollout runs: its per-version figures
+                    self.rollouts.finished(target, error=fault)
+                    self.metrics.version_requests.labels(label, target.role, "error" if fault else "ok").inc()
 
     def _span(self) -> contextlib.AbstractContextManager[Span]:
         return self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER)
@@ -204,15 +214,20 @@ class Proxy:
             base = self.options.base_identity if model == self.options.base_model else served_bases[model]
             salt = tenant_salt(base, caller.tenant) if caller is not None else None
             return Target(model, base, None, salt, [], tokens=self.tokens(parsed))
-        version = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
-        if version is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
+        state = self.snapshot.get(parsed.model) if is_logical_id(parsed.model) else None
+        if state is None or not may_use(caller, parsed.model):  # a name that cannot be a logical ID,
             raise not_found(parsed.model)  # or one the caller may not use, is never served
+        # stage 2b, the split: while a rollout runs, the current version or the candidate (core/split.py)
+        key_id = caller.key_id if caller is not None else None
+        split = choose(state, parsed.body, key_id, parsed.prompt(BLOCK_CHARS))
+        version, role, rollout = split.version, split.role if state.candidate else "", split.rollout
         expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
-            return Target(parsed.model, version.base, version, cold_salt(), [], expected)
+            return Target(parsed.model, version.base, version, cold_salt(), [], expected, (), role, rollout)
         salt = cache_salt(self.snapshot.generation, version)
         keys = block_keys(salt, parsed.prompt(self.prefix_chars))
-        return Target(parsed.model, version.base, version, salt, keys, expected, self.tokens(parsed))
+        tokens = self.tokens(parsed)
+        return Target(parsed.model, version.base, version, salt, keys, expected, tokens, role, rollout)
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate has the tokenizer and follows
@@ -290,6 +305,9 @@ class Proxy:
         started: float,
     ) -> web.StreamResponse:
         self.metrics.ttfb.observe(time.monotonic() - started)
+        if target.role:  # a rollout runs: the first byte of this version's answer
+            self.rollouts.first_byte(target, time.monotonic() - started)
+            self.metrics.version_ttfb.labels(target.role).observe(time.monotonic() - started)
         if rewrite is not None and await rewrite.forgotten(upstream):
             raise VersionForgotten(
                 f"replica {there} does not have {target.logical_id!r}'s "
@@ -301,6 +319,11 @@ class Proxy:
         if parsed.stream and upstream.content_type == "text/event-stream":
             return await relay.relay_stream(request, upstream, rewrite, usage, evidence, there)
         return await relay.relay_body(upstream, rewrite, usage, evidence, there)
+
+
+_FAULTS = (UpstreamError, NoEligibleReplica)
+"""What counts as a version's error in a rollout's figures, beside a 5xx answer: a replica that failed
+or answered badly, a load that failed (not a caller's bad input, nor a draining or busy kvgate)."""
 
 
 def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite | None:

@@ -203,6 +203,8 @@ def evidence(target: Target, replica_url: str, prefix_source: str, matched_block
         headers[wire.VERSION_HEADER] = target.version.name
         headers[wire.DIGEST_HEADER] = target.version.digest
         headers[wire.EPOCH_HEADER] = str(target.version.epoch)
+    if target.role:
+        headers[wire.ROLE_HEADER] = target.role
     if target.keys:
         headers[wire.PREFIX_KEY_HEADER] = target.keys[0].hex()
     return headers

@@ -11,7 +11,6 @@ one step of the shared scrub that turns direct edits into 'drift' entries.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,16 +19,10 @@ import redis.exceptions
 from gateway.core.errors import MalformedRow
 from gateway.core.model import VersionState
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, parse_state
+from gateway.table.epoch_table import EpochTable
+from gateway.table.rows import parse_state
 
 START = "0-0"  # the position before the first entry
-
-
-def row_hash(state: VersionState) -> int:
-    """40 bits of a SHA-1 of what a snapshot holds of an ID (lua/lib/common.lua's ``row_hash``)."""
-    fields = (state.logical_id, state.digest, str(state.epoch), state.base, state.name, state.path,
-              state.base_print)  # fmt: skip
-    return int(hashlib.sha1("\n".join(fields).encode()).hexdigest()[:10], 16)
 
 
 def entry_id(position: str) -> tuple[int, int]:
@@ -42,7 +35,8 @@ def entry_id(position: str) -> tuple[int, int]:
 class Entry:
     position: str
     logical_id: str
-    action: str  # publish, rollback, bump, reseeded, drift (the scrub saw a write that bypassed the scripts)
+    action: str  # publish, rollback, bump, rollout, weight, promote, abort, reseeded,
+    # drift (the scrub saw a write that bypassed the scripts)
     state: VersionState | None  # the ID's state as the change left it; None: it has none
     malformed: str = ""  # why the entry is not one the scripts write ('' : it is); such an entry is skipped
 

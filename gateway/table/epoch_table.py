@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,10 +25,18 @@ import redis.exceptions
 from opentelemetry.trace import NoOpTracer, Span, Tracer
 from redis.commands.core import AsyncScript
 
-from gateway.core.errors import BadRequest, EpochTableError, MalformedRow, ModelNotFound, VersionNotFound
+from gateway.core.errors import (
+    BadRequest,
+    EpochTableError,
+    MalformedRow,
+    ModelNotFound,
+    RolloutConflict,
+    VersionNotFound,
+)
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.table.connection import RedisClient, write_acked
+from gateway.table.rows import parse_state
 from gateway.table.scripts import assemble_script, codes, operation_names
 from gateway.telemetry import tracing as attr
 
@@ -79,6 +86,10 @@ class EpochTable:
 
     async def run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         return await self.scripts[script](keys=list(keys_), args=list(args))
+
+    async def run_acked(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
+        """A logged change run like publish, rollback and bump (``table.rollouts`` runs its scripts so)."""
+        return await self._run_acked(script, keys_, args)
 
     async def _run_acked(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         """``_run`` for a change that must survive a failover: a replica of its server acknowledges it."""
@@ -265,6 +276,11 @@ class EpochTable:
         return loaded
 
 
+def raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
+    """``_raise_for`` for the table's other wrappers (``table.rollouts``)."""
+    _raise_for(code, logical_id, digest, base)
+
+
 def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
     """The one map from Lua status codes (the lib's CODE table, by name) to exceptions."""
     name = {value: key for key, value in codes().items()}.get(code)
@@ -280,42 +296,22 @@ def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
         raise VersionNotFound(
             f"digest prefix {digest!r} of {logical_id!r} is ambiguous{for_base}", param="digest"
         )
+    if name == "NO_CANDIDATE":
+        wanted = f" with candidate {digest!r}" if digest else ""
+        raise RolloutConflict(f"no rollout of {logical_id!r}{wanted} is running", param="model")
+    if name == "ROLLOUT_RUNNING":
+        raise RolloutConflict(
+            f"a rollout of {logical_id!r} is running: promote or abort it first (kvgate promote / abort)",
+            param="model",
+        )
+    if name == "CANDIDATE_IS_CURRENT":
+        raise RolloutConflict(f"{digest[:16]!r} is already {logical_id!r}'s current version", param="digest")
     if name == "PREFIX_TOO_SHORT":
         raise BadRequest(
             f"digest prefix {digest!r} is too short: give at least {keys.DIGEST_PREFIX_MIN} hex characters",
             param="digest",
         )
     raise EpochTableError(f"epoch table script returned unknown code {code}")
-
-
-_EPOCH = re.compile(rb"[0-9]{1,18}")
-_STATE_FIELDS = (b"digest", b"name", b"path", b"base")
-
-
-def parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | None:
-    """One state hash as the scripts write it (None: the ID has no state); ``MalformedRow`` when it is
-    not one: a field missing or not UTF-8, an epoch that is not a whole number."""
-    if not raw or b"digest" not in raw:
-        return None
-    try:
-        logical_id.encode()
-    except UnicodeEncodeError:
-        raise MalformedRow(f"logical ID {logical_id!r} is not UTF-8") from None
-    text: dict[bytes, str] = {}
-    for name in (*_STATE_FIELDS, b"base_print"):
-        value = raw.get(name, b"" if name == b"base_print" else None)
-        if value is None:
-            raise MalformedRow(f"state of {logical_id!r} has no {name.decode()!r}")
-        try:
-            text[name] = value.decode()
-        except UnicodeDecodeError:
-            raise MalformedRow(f"state of {logical_id!r}: {name.decode()!r} is not UTF-8") from None
-    epoch = raw.get(b"epoch")
-    if epoch is None or not _EPOCH.fullmatch(epoch):
-        raise MalformedRow(f"state of {logical_id!r}: epoch {epoch!r} is not a whole number")
-    return VersionState(logical_id=logical_id, digest=text[b"digest"], name=text[b"name"],
-                        path=text[b"path"], base=text[b"base"], epoch=int(epoch),
-                        base_print=text[b"base_print"])  # fmt: skip
 
 
 def _loaded_doc(replica: str, doc: bytes | str) -> dict[str, str]:

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from gateway.core.model import TableView, VersionState
 from gateway.periodic import periodically, raise_if_cancelling
 from gateway.table import keys
-from gateway.table.changelog import START, Beat, ChangeLog, Entry, _text, entry_id, row_hash
+from gateway.table.changelog import START, Beat, ChangeLog, Entry, _text, entry_id
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.hints import ReplicaHint, ReplicaHints
 from gateway.table.reseed import Reseeder
+from gateway.table.rows import row_hash
 from gateway.table.snapshot_file import Saved, SnapshotFile
 from gateway.telemetry.metrics import Metrics
 
@@ -64,8 +65,11 @@ class Snapshot:
     def __iter__(self) -> Iterator[VersionState]:
         return iter(list(self._states.values()))
 
-    def current_names(self) -> set[str]:
-        return {state.name for state in self._states.values()}
+    def current_names(self) -> set[str]:  # every versioned name served: current ones and candidates
+        return {version.name for version in self.versions()}
+
+    def versions(self) -> Iterator[VersionState]:  # each version served (a candidate as one of its own)
+        return iter([version for state in self._states.values() for version in state.versions()])
 
     def size(self) -> int:
         return len(self._states)
@@ -102,18 +106,17 @@ class Snapshot:
     def put(self, logical_id: str, state: VersionState | None) -> None:
         previous = self._states.get(logical_id)
         self.checksum += (row_hash(state) if state else 0) - (row_hash(previous) if previous else 0)
-        if previous is not None and (state is None or previous.name != state.name):
-            self._retire(previous)
+        kept = {version.name for version in state.versions()} if state is not None else set()
+        for gone in {v.name for v in previous.versions()} - kept if previous else ():  # an abort: a candidate
+            self.retired.setdefault(gone, time.monotonic())
         if state is None:
             self._states.pop(logical_id, None)
         else:
             self._states[logical_id] = state
             if previous is not None and previous.epoch != state.epoch:
                 self.on_epoch_change(logical_id)
-            self.retired.pop(state.name, None)
-
-    def _retire(self, state: VersionState) -> None:
-        self.retired.setdefault(state.name, time.monotonic())
+            for name in kept:
+                self.retired.pop(name, None)
 
     def health(self) -> dict[str, dict[str, str]]:
         """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
@@ -141,18 +144,10 @@ class SyncCounts:
 
 class SnapshotSync:
     def __init__(
-        self,
-        table: EpochTable,
-        snapshot: Snapshot,
-        *,
-        interval: float,
-        reseeder: Reseeder | None = None,
-        on_replica_hint: ReplicaHint | None = None,
-        block: float = BLOCK_S,
-        scrub_page: int = keys.SCRUB_PAGE,
-        metrics: Metrics | None = None,
-        file: SnapshotFile | None = None,
-    ) -> None:
+        self, table: EpochTable, snapshot: Snapshot, *, interval: float, reseeder: Reseeder | None = None,
+        on_replica_hint: ReplicaHint | None = None, block: float = BLOCK_S, scrub_page: int = keys.SCRUB_PAGE,
+        metrics: Metrics | None = None, file: SnapshotFile | None = None,
+    ) -> None:  # fmt: skip
         self.table = table
         self.log = ChangeLog(table, scrub_page=scrub_page)
         self.snapshot = snapshot

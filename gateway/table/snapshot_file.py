@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 
 from gateway.core.errors import EpochTableError
-from gateway.core.model import VersionState
+from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ def encode(
     generation: str, position: str, checksum: int, states: Iterable[VersionState], malformed: dict[str, str]
 ) -> bytes:
     rows = list(states)
-    columns = [[getattr(state, name) for state in rows] for name in FIELDS]
+    columns = [[getattr(state, name) for state in rows] for name in FIELDS if name != "candidate"]
+    columns.insert(FIELDS.index("candidate"), [_candidate_row(state.candidate) for state in rows])
     body: bytes = msgpack.packb(
         {"format": FORMAT, "generation": generation, "position": position, "checksum": checksum,
          "written_at": time.time(), "fields": list(FIELDS), "columns": columns, "malformed": malformed},
@@ -121,6 +122,9 @@ def _saved(doc: dict[str, Any]) -> Saved:
     if len({len(column) for column in columns}) > 1:
         raise Rejected("corrupt", "its columns differ in length")
     for name, column in zip(FIELDS, columns, strict=True):  # checked at C speed: a join, an int64 array
+        if name == "candidate":  # a rollout's candidate (rare): checked row by row
+            columns[FIELDS.index(name)] = [_candidate(row) for row in column]
+            continue
         try:
             array.array("q", column) if name == "epoch" else "".join(column)
         except (TypeError, OverflowError):
@@ -131,6 +135,23 @@ def _saved(doc: dict[str, Any]) -> Saved:
     if len(states) != len(columns[0]):
         raise Rejected("corrupt", "it names a logical ID twice")
     return Saved(generation, position, checksum, states, malformed, written_at)
+
+
+def _candidate_row(candidate: Candidate | None) -> list[str | int] | None:
+    if candidate is None:
+        return None
+    c = candidate
+    return [c.digest, c.name, c.path, c.base, c.base_print, c.weight]
+
+
+def _candidate(row: Any) -> Candidate | None:
+    """A rollout candidate as written (None: none); ``Rejected`` when it is not one."""
+    if row is None:
+        return None
+    if not (isinstance(row, list) and len(row) == 6 and all(type(v) is str for v in row[:5])
+            and type(row[5]) is int and 0 <= row[5] <= WEIGHT_FULL):  # fmt: skip
+        raise Rejected("corrupt", "its candidate column holds something that is no candidate")
+    return Candidate(*row)
 
 
 def snapshot_file(data_dir: Path, interval: float, metrics: Metrics) -> SnapshotFile | None:

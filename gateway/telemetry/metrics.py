@@ -199,6 +199,20 @@ class Metrics:
         self.audits = self._counter_by_id(
             "kvgate_audit_verdicts", "Coherence audit verdicts", "replica", "verdict"
         )
+        self.version_requests = self._counter_by_id(
+            "kvgate_rollout_requests",
+            "Requests of an ID whose rollout runs, by the version's role (current, candidate) and outcome "
+            "(ok, error: a 5xx, a replica's failure, a failed load)", "role", "outcome",
+        )  # fmt: skip
+        self.version_ttfb = Histogram(
+            "kvgate_rollout_time_to_first_byte_seconds",
+            "Request start to the backend's first byte, for IDs whose rollout runs, by the version's role",
+            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.rollout_aborts = self._counter_by_id(
+            "kvgate_rollout_gate_aborts",
+            "Rollouts the gate aborted, by why (incoherent, replica-mismatch, error-rate)", "reason",
+        )  # fmt: skip
         self.cached_tokens = self._counter_by_id(
             "kvgate_backend_cached_tokens", "Prompt tokens the backend served from its prefix cache"
         )

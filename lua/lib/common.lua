@@ -15,8 +15,22 @@ local CODE = {
   PREFIX_TOO_SHORT = -4,   -- a digest prefix shorter than the minimum
   LEASED = -5,             -- a live lease holds the adapter: it may not be unloaded now
   UNLOADING = -6,          -- the adapter is being unloaded: no new lease on it
-  CURRENT = -7,            -- the version is current: it may not be forgotten
+  CURRENT = -7,            -- the version is current (or the rollout candidate): it may not be forgotten
+  NO_CANDIDATE = -8,       -- the logical ID has no rollout candidate (or another one than named)
+  ROLLOUT_RUNNING = -9,    -- a rollout runs: another candidate (or a publish) must wait for promote or abort
+  CANDIDATE_IS_CURRENT = -10, -- the rollout's bytes are already the current version
 }
+
+-- A rollout's candidate lives in the ID's state hash beside the current version, in these fields (all
+-- or none): its digest, versioned name, store path, base, base fingerprint and weight (basis points of
+-- the traffic, 0..10000). Its epoch is always the state's epoch + 1: the epoch a promote gives it, so
+-- its cache namespace carries over to the promoted version, and a bump moves it too.
+local CANDIDATE_FIELDS = {'cand_digest', 'cand_name', 'cand_path', 'cand_base', 'cand_base_print',
+  'cand_weight'}
+
+local function drop_candidate(state)
+  redis.call('HDEL', state, unpack(CANDIDATE_FIELDS))
+end
 
 -- Leases live in one hash per replica, field '<versioned name>|<gateway id>' -> expiry (ms); the field
 -- '<versioned name>|!unloading' marks an unload in progress. A versioned name never contains '|'.
@@ -74,21 +88,37 @@ local function digest_for_base(field, base)
   return string.sub(field, -DIGEST_LENGTH)
 end
 
--- Append one event to a history list (newest first) and keep only its newest KEEP entries.
-local function append_history(key, keep, epoch, digest, base, action, now)
-  redis.call('LPUSH', key, cjson.encode({epoch = epoch, digest = digest, base = base, action = action,
-    at_ms = tonumber(now)}))
+-- Append one event (a table) to a history list (newest first) and keep only its newest KEEP entries.
+local function append_event(key, keep, event)
+  redis.call('LPUSH', key, cjson.encode(event))
   redis.call('LTRIM', key, 0, tonumber(keep) - 1)
+end
+
+local function append_history(key, keep, epoch, digest, base, action, now)
+  append_event(key, keep, {epoch = epoch, digest = digest, base = base, action = action, at_ms = tonumber(now)})
+end
+
+-- A rollout's event (role 'candidate': rollout, weight, abort; a rollback's automatic target skips them).
+local function append_rollout(key, keep, epoch, digest, base, action, now, weight, reason)
+  append_event(key, keep, {epoch = epoch, digest = digest, base = base, action = action, at_ms = tonumber(now),
+    role = 'candidate', weight = tonumber(weight), reason = reason or ''})
 end
 
 -- The change log. A row is what a kvgate's snapshot holds of one logical ID; its hash is 40 bits of a
 -- SHA-1 (gateway/table/changelog.py's row_hash computes the same), 0 when the ID has no state. Sums of
 -- 40-bit rows fit a 64-bit HINCRBY for millions of IDs.
-local function row_hash(id, digest, epoch, base, name, path, base_print)
+-- CAND: the CANDIDATE_FIELDS' values in order (a row without a candidate hashes as it did before them).
+local function row_hash(id, digest, epoch, base, name, path, base_print, cand)
   if not digest then
     return 0
   end
-  local text = table.concat({id, digest, epoch or '', base or '', name or '', path or '', base_print or ''}, '\n')
+  local parts = {id, digest, epoch or '', base or '', name or '', path or '', base_print or ''}
+  if cand and cand[1] then
+    for i = 1, #CANDIDATE_FIELDS do
+      parts[#parts + 1] = cand[i] or ''
+    end
+  end
+  local text = table.concat(parts, '\n')
   return tonumber(string.sub(redis.sha1hex(text), 1, 10), 16)
 end
 
@@ -107,7 +137,11 @@ local function log_change(state, log, rows, check, id, action, keep)
     entry[#entry + 1] = fields[i + 1]
     row[fields[i]] = fields[i + 1]
   end
-  local new = row_hash(id, row.digest, row.epoch, row.base, row.name, row.path, row.base_print)
+  local cand = {}
+  for i, name in ipairs(CANDIDATE_FIELDS) do
+    cand[i] = row[name]
+  end
+  local new = row_hash(id, row.digest, row.epoch, row.base, row.name, row.path, row.base_print, cand)
   local old = tonumber(redis.call('HGET', rows, id) or '0') or 0  -- malformed: the checksum then disagrees
   if new == 0 then
     redis.call('HDEL', rows, id)

@@ -1,0 +1,104 @@
+"""A rollout in the epoch table: a candidate beside an ID's current version, its weight, promote, abort.
+
+One Lua script per operation (``lua/rollout_version.lua``: start or change the weight;
+``lua/promote_candidate.lua``; ``lua/abort_rollout.lua``), each logged in the change log like a publish,
+so every kvgate's snapshot has the candidate as soon as it has the entry, and each waits for a Redis
+replica's acknowledgement like publish (``EpochTable.run_acked``). Weights are basis points
+(``core.model.WEIGHT_FULL``); ``weight_of`` turns an operator's percent into one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.core.errors import BadRequest
+from gateway.core.model import WEIGHT_FULL, Change
+from gateway.table import keys
+from gateway.table.epoch_table import LOGGED, EpochTable, raise_for
+from gateway.table.scripts import codes
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutChange:
+    changed: bool
+    epoch: int  # the current version's epoch (the candidate runs in epoch + 1)
+    weight: int  # basis points
+
+
+def weight_of(percent: float) -> int:
+    """An operator's percent (0..100, at most two decimals' worth) as basis points; bad input refused."""
+    if not math.isfinite(percent) or not 0 <= percent <= 100:
+        raise BadRequest(f"--percent {percent!r} must be between 0 and 100", param="percent")
+    weight = round(percent * 100)
+    if abs(weight - percent * 100) > 1e-6:
+        raise BadRequest(f"--percent {percent!r}: at most two decimals (basis points)", param="percent")
+    return weight
+
+
+def _weight(weight: int) -> int:
+    if not 0 <= weight <= WEIGHT_FULL:
+        raise BadRequest(f"weight {weight} must be 0..{WEIGHT_FULL} basis points", param="percent")
+    return weight
+
+
+async def start_rollout(
+    table: EpochTable,
+    logical_id: str,
+    digest: str,
+    name: str,
+    path: str,
+    base: str,
+    weight: int,
+    base_print: str = "",
+) -> RolloutChange:
+    """DIGEST (stored at PATH, built for BASE) becomes LOGICAL_ID's candidate at WEIGHT basis points."""
+    return await _rollout(table, logical_id, [digest, name, path, base], base_print, _weight(weight))
+
+
+async def set_weight(table: EpochTable, logical_id: str, weight: int) -> RolloutChange:
+    """The running rollout's candidate gets WEIGHT basis points (``RolloutConflict`` when none runs)."""
+    return await _rollout(table, logical_id, ["", "", "", ""], "", _weight(weight))
+
+
+async def _rollout(
+    table: EpochTable, logical_id: str, version: list[str], base_print: str, weight: int
+) -> RolloutChange:
+    digest, name, path, base = version
+    with table.tracer.start_as_current_span("kvgate.rollout"):
+        code, epoch, now_weight = await table.run_acked(
+            "rollout_version",
+            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, digest, name, path, base, table.clock(), table.log_kept, keys.HISTORY_KEPT,
+             base_print, weight],
+        )  # fmt: skip
+    raise_for(int(code), logical_id, digest, base)
+    return RolloutChange(int(code) == codes()["CHANGED"], int(epoch), int(now_weight))
+
+
+async def promote(table: EpochTable, logical_id: str, digest: str = "") -> Change:
+    """The candidate (DIGEST or a prefix of it, when given) becomes current under a new epoch."""
+    with table.tracer.start_as_current_span("kvgate.promote"):
+        code, epoch, promoted = await table.run_acked(
+            "promote_candidate",
+            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest],
+        )
+    raise_for(int(code), logical_id, digest)
+    return Change(changed=True, epoch=int(epoch), digest=_text(promoted))
+
+
+async def abort(table: EpochTable, logical_id: str, reason: str, digest: str = "") -> Change:
+    """Drop the candidate (DIGEST or a prefix of it, when given); REASON goes into the history."""
+    with table.tracer.start_as_current_span("kvgate.abort"):
+        code, epoch, aborted = await table.run_acked(
+            "abort_rollout",
+            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
+            [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest, reason],
+        )
+    raise_for(int(code), logical_id, digest)
+    return Change(changed=True, epoch=int(epoch), digest=_text(aborted))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
