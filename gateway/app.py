@@ -1,9 +1,12 @@
-"""The aiohttp application: components wired with typed ``AppKey``s, each started by its ``cleanup_ctx``.
+"""The aiohttp application: components wired with typed ``AppKey``s (``app_keys``), each started by its
+``cleanup_ctx``.
 
-Start order: one shared ClientSession → epoch table and snapshot (first full read before serving) →
-API keys (first read before serving, when on) → replica poller (first poll before serving) → lease
-heartbeat → drain/unload sweeper. Stopped in reverse (the leases are let go on the way out). Every
-background task runs under one ``Supervisor`` (``app[SUPERVISOR]``; serve's also runs its embedded Redis).
+Start order: one shared ClientSession and the components (``_components``), then the background tasks of
+``gateway.background``: epoch table and snapshot (first read before serving) → API keys (first read
+before serving, when on) → replica poller (first poll before serving) → lease heartbeat → drain/unload
+sweeper → canary and rollout gate → purger → KV event followers. Stopped in reverse (the leases are let go
+on the way out). Every background task runs under one ``Supervisor`` (``app[SUPERVISOR]``; serve's also
+runs its embedded Redis).
 
 With ``admin_port`` set, ``/kvgate/status`` and ``/metrics`` leave the public app (404 there, and the
 admin token is refused there) for a second app, ``app[ADMIN_LISTENER]``, which serves them beside the
@@ -12,8 +15,6 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,24 +24,48 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import Tracer
 
+from gateway import background
 from gateway.adapters.stores import location_prefix, open_store
+from gateway.app_keys import (
+    ACTIVITY,
+    ADMIN,
+    ADMIN_LISTENER,
+    AUTH,
+    BASE_PRINTS,
+    CALLERS,
+    DRAIN,
+    GATE,
+    KV_FOLLOWERS,
+    LEASES,
+    LOADER,
+    METRICS,
+    POOL,
+    PROXY,
+    PURGER,
+    QUARANTINE,
+    RESEEDER,
+    SETTINGS,
+    SIBLINGS,
+    SNAPSHOT,
+    SUPERVISOR,
+    TABLE,
+    TRACER,
+    VERDICTS,
+)  # fmt: skip
 from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, mismatch_report
-from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED, PurgeAll
-from gateway.fleet.kv_follower import KvFollower, follow_events, followers_health, precise_parts
+from gateway.fleet.invalidation import VERSION_SCOPED
+from gateway.fleet.kv_follower import followers_health, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import Supervisor, periodically
-from gateway.proof.canary import Canary
-from gateway.proof.gate import Gate, GateRules
+from gateway.periodic import Supervisor
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
 from gateway.request.boundary import ServerLog, openai_errors
@@ -51,42 +76,16 @@ from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
 from gateway.serving import EDGE, EdgeLimits, session_timeout
 from gateway.siblings import Siblings
-from gateway.table.callers import Callers, CallerSync, CallerTable
+from gateway.table.callers import Callers
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
-from gateway.table.snapshot import Snapshot, SnapshotSync
-from gateway.table.snapshot_file import snapshot_file
+from gateway.table.snapshot import Snapshot
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
 log = logging.getLogger(__name__)
-
-SETTINGS = web.AppKey("settings", Settings)
-SNAPSHOT = web.AppKey("snapshot", Snapshot)
-TABLE = web.AppKey("table", EpochTable)
-POOL = web.AppKey("pool", ReplicaPool)
-LOADER = web.AppKey("loader", AdapterLoader)
-PROXY = web.AppKey("proxy", Proxy)
-METRICS = web.AppKey("metrics", Metrics)
-TRACER = web.AppKey("tracer", Tracer)
-PURGER = web.AppKey("purger", PurgeAll)
-ADMIN = web.AppKey("admin", Admin)
-DRAIN = web.AppKey("drain", Drain)
-LEASES = web.AppKey("leases", Leases)
-QUARANTINE = web.AppKey("quarantine", Quarantine)
-ACTIVITY = web.AppKey("activity", dict[str, float])
-VERDICTS = web.AppKey("verdicts", dict[str, dict[str, dict[str, Any]]])  # the canary's last, for /kvgate/
-RESEEDER = web.AppKey("reseeder", Reseeder)
-CALLERS = web.AppKey("callers", Callers)
-AUTH = web.AppKey("auth", Auth)
-ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
-BASE_PRINTS = web.AppKey("base_prints", BasePrints)
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
-KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
-SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
-GATE = web.AppKey("gate", Gate)
 
 
 def build_app(
@@ -124,9 +123,7 @@ def build_app(
         app[SIBLINGS] = siblings
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
-    for component in (_components, _snapshot_sync, _caller_sync, _replica_poller, _lease_heartbeat):
-        app.cleanup_ctx.append(component)
-    for component in (_sweeper, _canary, _purger, _kv_followers):
+    for component in (_components, *background.TASKS):
         app.cleanup_ctx.append(component)
 
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
@@ -276,90 +273,3 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         yield
         app[PROXY].upstream.close()
         await app[LOADER].stop()  # loads in flight, before the session they use closes
-
-
-async def _snapshot_sync(app: web.Application) -> AsyncIterator[None]:
-    sync = SnapshotSync(
-        app[TABLE],
-        app[SNAPSHOT],
-        interval=app[SETTINGS].reconcile_interval,
-        reseeder=app[RESEEDER],
-        on_replica_hint=app[POOL].refresh_hinted,
-        scrub_page=app[SETTINGS].scrub_page,
-        metrics=app[METRICS],
-        file=snapshot_file(app[SETTINGS].data_dir, app[SETTINGS].snapshot_file_interval, app[METRICS]),
-    )
-    await sync.reconcile()
-    async with app[SUPERVISOR].run("snapshot-sync", sync.run, period=app[SETTINGS].reconcile_interval):
-        yield
-
-
-async def _caller_sync(app: web.Application) -> AsyncIterator[None]:
-    if CALLERS not in app:
-        yield
-        return
-    sync = CallerSync(CallerTable(app[TABLE].redis), app[CALLERS], interval=app[SETTINGS].reconcile_interval)
-    await sync.reload()
-    log.info("API keys on: %d keys", len(app[CALLERS]))
-    async with app[SUPERVISOR].run("api-key-sync", sync.run, period=app[SETTINGS].reconcile_interval):
-        yield
-
-
-async def _replica_poller(app: web.Application) -> AsyncIterator[None]:
-    pool, prints, interval = app[POOL], app[BASE_PRINTS], app[SETTINGS].poll_interval
-    await pool.refresh_all()
-    await prints.check_all()
-    poll = functools.partial(pool.poll_forever, interval, app[TABLE], prints.check_all)
-    async with app[SUPERVISOR].run("replica-poll", poll, period=interval):
-        yield
-
-
-async def _lease_heartbeat(app: web.Application) -> AsyncIterator[None]:
-    leases = app[LEASES]
-    async with app[SUPERVISOR].run("leases-heartbeat", leases.run, period=leases.interval):
-        yield
-    await leases.let_go()
-
-
-async def _sweeper(app: web.Application) -> AsyncIterator[None]:
-    sweep, interval = app[LOADER].sweep_forever, app[SETTINGS].poll_interval
-    async with app[SUPERVISOR].run("adapter-sweep", functools.partial(sweep, interval), period=interval):
-        yield
-
-
-async def _purger(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    if settings.invalidation != PURGE_ALL:
-        yield
-        return
-    app[PURGER] = PurgeAll(app[POOL], app[SNAPSHOT], app[METRICS], drain_grace=settings.drain_grace)
-    async with app[SUPERVISOR].run("purger", app[PURGER].run, period=settings.reconcile_interval):
-        yield
-
-
-async def _canary(app: web.Application) -> AsyncIterator[None]:
-    """The canary over active IDs and the rollout gate over running rollouts: each on when its interval is."""
-    settings = app[SETTINGS]
-    canary = Canary(
-        app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
-    )
-    rules = GateRules(
-        settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
-    )
-    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)  # fmt: skip
-    async with contextlib.AsyncExitStack() as tasks:
-        for name, interval, step in (
-            ("canary", settings.canary_interval, canary.run_round),
-            ("rollout-gate", settings.rollout_gate_interval, app[GATE].run_round),
-        ):
-            if interval:
-                rounds = functools.partial(periodically, interval, step)
-                await tasks.enter_async_context(app[SUPERVISOR].run(name, rounds, period=interval))
-        yield
-
-
-async def _kv_followers(app: web.Application) -> AsyncIterator[None]:
-    precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
-    followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
-    async with followers as app[KV_FOLLOWERS]:
-        yield

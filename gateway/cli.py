@@ -27,7 +27,8 @@ from gateway.adapters.objstore import is_object_url
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.source import local_source
 from gateway.adapters.stores import open_store
-from gateway.app import ADMIN_LISTENER, DRAIN, METRICS, build_app, local_health
+from gateway.app import build_app, local_health
+from gateway.app_keys import ADMIN_LISTENER, DRAIN, METRICS
 from gateway.cli_agent import cmd_agent
 from gateway.cli_audit import cmd_audit
 from gateway.cli_base import choose_base

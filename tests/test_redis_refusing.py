@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import LEASES, build_app
+from gateway.app import build_app
+from gateway.app_keys import LEASES
 from gateway.config import Settings
 from gateway.serving import running
 from gateway.table.epoch_table import EpochTable

@@ -29,7 +29,8 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import PURGER, build_app
+from gateway.app import build_app
+from gateway.app_keys import PURGER
 from gateway.config import Settings
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.leases import Leases

@@ -19,7 +19,8 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import ADMIN_LISTENER, build_app
+from gateway.app import build_app
+from gateway.app_keys import ADMIN_LISTENER
 from gateway.config import Settings
 from gateway.core.wire import replica_id
 from gateway.serving import running

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from redis.asyncio import Redis
 
-from gateway.app import ADMIN_LISTENER, build_app
+from gateway.app import build_app
+from gateway.app_keys import ADMIN_LISTENER
 from gateway.config import Settings
 from gateway.serving import free_port, running
 from gateway.table.redis_server import EmbeddedRedis

@@ -1,0 +1,137 @@
+"""kvgate's background tasks, each a ``cleanup_ctx`` that starts it under the app's ``Supervisor`` once the
+components exist (``gateway.app``'s ``components``) and stops it in reverse: the snapshot sync, the API-key
+sync, the replica poller, the lease heartbeat, the adapter sweep, the canary and rollout gate, the purger
+(purge-all) and the KV event followers."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.app_keys import (
+    ACTIVITY,
+    BASE_PRINTS,
+    CALLERS,
+    GATE,
+    KV_FOLLOWERS,
+    LEASES,
+    LOADER,
+    METRICS,
+    POOL,
+    PROXY,
+    PURGER,
+    QUARANTINE,
+    RESEEDER,
+    SETTINGS,
+    SNAPSHOT,
+    SUPERVISOR,
+    TABLE,
+    VERDICTS,
+)  # fmt: skip
+from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
+from gateway.fleet.kv_follower import follow_events
+from gateway.periodic import periodically
+from gateway.proof.canary import Canary
+from gateway.proof.gate import Gate, GateRules
+from gateway.table.callers import CallerSync, CallerTable
+from gateway.table.snapshot import SnapshotSync
+from gateway.table.snapshot_file import snapshot_file
+
+log = logging.getLogger(__name__)
+
+
+async def snapshot_sync(app: web.Application) -> AsyncIterator[None]:
+    sync = SnapshotSync(
+        app[TABLE],
+        app[SNAPSHOT],
+        interval=app[SETTINGS].reconcile_interval,
+        reseeder=app[RESEEDER],
+        on_replica_hint=app[POOL].refresh_hinted,
+        scrub_page=app[SETTINGS].scrub_page,
+        metrics=app[METRICS],
+        file=snapshot_file(app[SETTINGS].data_dir, app[SETTINGS].snapshot_file_interval, app[METRICS]),
+    )
+    await sync.reconcile()
+    async with app[SUPERVISOR].run("snapshot-sync", sync.run, period=app[SETTINGS].reconcile_interval):
+        yield
+
+
+async def caller_sync(app: web.Application) -> AsyncIterator[None]:
+    if CALLERS not in app:
+        yield
+        return
+    sync = CallerSync(CallerTable(app[TABLE].redis), app[CALLERS], interval=app[SETTINGS].reconcile_interval)
+    await sync.reload()
+    log.info("API keys on: %d keys", len(app[CALLERS]))
+    async with app[SUPERVISOR].run("api-key-sync", sync.run, period=app[SETTINGS].reconcile_interval):
+        yield
+
+
+async def replica_poller(app: web.Application) -> AsyncIterator[None]:
+    pool, prints, interval = app[POOL], app[BASE_PRINTS], app[SETTINGS].poll_interval
+    await pool.refresh_all()
+    await prints.check_all()
+    poll = functools.partial(pool.poll_forever, interval, app[TABLE], prints.check_all)
+    async with app[SUPERVISOR].run("replica-poll", poll, period=interval):
+        yield
+
+
+async def lease_heartbeat(app: web.Application) -> AsyncIterator[None]:
+    leases = app[LEASES]
+    async with app[SUPERVISOR].run("leases-heartbeat", leases.run, period=leases.interval):
+        yield
+    await leases.let_go()
+
+
+async def sweeper(app: web.Application) -> AsyncIterator[None]:
+    sweep, interval = app[LOADER].sweep_forever, app[SETTINGS].poll_interval
+    async with app[SUPERVISOR].run("adapter-sweep", functools.partial(sweep, interval), period=interval):
+        yield
+
+
+async def purger(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    if settings.invalidation != PURGE_ALL:
+        yield
+        return
+    app[PURGER] = PurgeAll(app[POOL], app[SNAPSHOT], app[METRICS], drain_grace=settings.drain_grace)
+    async with app[SUPERVISOR].run("purger", app[PURGER].run, period=settings.reconcile_interval):
+        yield
+
+
+async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
+    """The canary over active IDs and the rollout gate over running rollouts: each on when its interval is."""
+    settings = app[SETTINGS]
+    canary = Canary(
+        app[SNAPSHOT], app[POOL], app[ACTIVITY], app[METRICS], app[QUARANTINE], verdicts=app[VERDICTS]
+    )
+    rules = GateRules(
+        settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
+    )
+    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)  # fmt: skip
+    async with contextlib.AsyncExitStack() as tasks:
+        for name, interval, step in (
+            ("canary", settings.canary_interval, canary.run_round),
+            ("rollout-gate", settings.rollout_gate_interval, app[GATE].run_round),
+        ):
+            if interval:
+                rounds = functools.partial(periodically, interval, step)
+                await tasks.enter_async_context(app[SUPERVISOR].run(name, rounds, period=interval))
+        yield
+
+
+async def kv_followers(app: web.Application) -> AsyncIterator[None]:
+    precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
+    followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
+    async with followers as app[KV_FOLLOWERS]:
+        yield
+
+
+TASKS = (
+    snapshot_sync, caller_sync, replica_poller, lease_heartbeat, sweeper, canary_rounds, purger, kv_followers,
+)  # fmt: skip
+"""In start order (after the components): the snapshot and API keys are read before anything serves."""
