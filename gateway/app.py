@@ -75,6 +75,7 @@ from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
 from gateway.serving import EDGE, EdgeLimits, session_timeout
+from gateway.settings_table import tenant_warnings
 from gateway.siblings import Siblings
 from gateway.table.callers import Callers
 from gateway.table.connection import RedisClient
@@ -254,7 +255,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
                                   "rollouts": app[GATE].report() if GATE in app else {}},
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
-        for warning in [*start_warnings(dialect), *settings.tenant_warnings(dialect.cache_namespaces)]:
+        for warning in [*start_warnings(dialect), *tenant_warnings(settings, dialect.cache_namespaces)]:
             log.warning("%s", warning)
         options = ProxyOptions(
             base_model=settings.base_model,

@@ -308,23 +308,6 @@ class Settings(BaseSettings):
         """How long a change waits for a replica's ``WAIT``: within the client's wait for any answer."""
         return min(self.redis_ack_timeout, self.redis_timeout / 2)
 
-    def tenant_warnings(self, cache_namespaces: bool) -> list[str]:
-        """What an operator running API keys (tenants) should know about this setup."""
-        if self.auth == "off":
-            return []
-        warnings = []
-        if not cache_namespaces:
-            warnings.append(
-                f"{self.backend} replicas have no cache namespace: base-model callers of every tenant share "
-                "one prefix cache (the timing side channel between tenants stays open)"
-            )
-        if self.admin_port is None:
-            warnings.append(
-                "API keys on, but the admin surface (/metrics names logical IDs) is on the public "
-                "listener, behind the admin token: set admin_port to serve it on a listener of its own"
-            )
-        return warnings
-
     @property
     def base_identity(self) -> str:
         """The pool's base model identity, recorded with every published version."""

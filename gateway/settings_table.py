@@ -161,3 +161,21 @@ def markdown() -> str:
                  description(name).replace("|", "\\|"))  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def tenant_warnings(settings: Settings, cache_namespaces: bool) -> list[str]:
+    """What an operator running API keys (tenants) should know about this setup."""
+    if settings.auth == "off":
+        return []
+    warnings = []
+    if not cache_namespaces:
+        warnings.append(
+            f"{settings.backend} replicas have no cache namespace: base-model callers of every tenant share "
+            "one prefix cache (the timing side channel between tenants stays open)"
+        )
+    if settings.admin_port is None:
+        warnings.append(
+            "API keys on, but the admin surface (/metrics names logical IDs) is on the public "
+            "listener, behind the admin token: set admin_port to serve it on a listener of its own"
+        )
+    return warnings

@@ -17,7 +17,7 @@ import secrets
 
 from blake3 import blake3
 
-from gateway.core.model import VersionState
+from gateway.core.model import Target, VersionState
 
 SALT_PREFIX = "kvg-"
 VERSION_HEADER = "x-kvgate-version"
@@ -97,3 +97,19 @@ def response_parts(response_id: str) -> tuple[str, str] | None:
     """The ``replica_id`` and owner a minted response id names; None for an id kvgate did not mint."""
     match = _MINTED_RESPONSE_ID.fullmatch(response_id)
     return (match.group(1), match.group(2)) if match is not None else None
+
+
+def evidence(target: Target, replica_url: str, prefix_source: str, matched_blocks: int) -> dict[str, str]:
+    """The response headers that say which effective model answered, where, and the prefix blocks the
+    routing decision matched there (with their source: ``precise`` KV events, ``predicted``, ``none``)."""
+    match = f"{prefix_source}:{matched_blocks}"
+    headers = {REPLICA_HEADER: replica_url, PREFIX_MATCH_HEADER: match}
+    if target.version is not None:
+        headers[VERSION_HEADER] = target.version.name
+        headers[DIGEST_HEADER] = target.version.digest
+        headers[EPOCH_HEADER] = str(target.version.epoch)
+    if target.role:
+        headers[ROLE_HEADER] = target.role
+    if target.keys:
+        headers[PREFIX_KEY_HEADER] = target.keys[0].hex()
+    return headers

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, StatusCode, Tracer
 
+from gateway.core import wire
 from gateway.core.errors import (
     BackendUnreachable,
     ClientClosed,
@@ -37,20 +38,14 @@ from gateway.core.model import Target
 from gateway.core.prefix import BLOCK_CHARS, PREFIX_CHARS, block_keys
 from gateway.core.scheduler import Decision, Scheduler
 from gateway.core.split import choose
-from gateway.core.wire import (
-    AUTHORIZATION_HEADER,
-    cache_salt,
-    cold_salt,
-    replica_id,
-    tenant_salt,
-)
+from gateway.core.wire import AUTHORIZATION_HEADER, cache_salt, cold_salt, replica_id, tenant_salt
 from gateway.fleet.backends import BackendDialect
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
 from gateway.fleet.tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
-from gateway.request import relay
+from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found
 from gateway.request.intake import Intake, ParsedRequest, upstream_body
@@ -135,7 +130,7 @@ class Proxy:
                 label = self.metrics.for_request(target.logical_id)
                 if target.version is not None:
                     self.activity[target.logical_id] = started
-                _describe_target(span, route, target, self.dialect.name)
+                spans.describe_target(span, route, target, self.dialect.name)
                 response = await self.schedule_and_forward(request, parsed, target, span, started)
                 outcome, fault = str(response.status), response.status >= 500
                 return response
@@ -172,7 +167,7 @@ class Proxy:
         attempts, forgotten = len(self.pool.replicas), False
         while True:
             decision, reservation = await self.schedule(target, pin)
-            _describe_decision(span, decision, target)
+            spans.describe_decision(span, decision, target)
             self.metrics.child(self.metrics.routing, decision.reason).inc()
             matched = self.metrics.child(self.metrics.prefix_matched_blocks, decision.prefix_source)
             matched.observe(decision.matched_blocks)
@@ -271,7 +266,7 @@ class Proxy:
         rewrite = _rewrite(route, name, target.logical_id)
         usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
         there = self.replica_names[replica.url]
-        evidence = relay.evidence(target, there, decision.prefix_source, decision.matched_blocks)
+        evidence = wire.evidence(target, there, decision.prefix_source, decision.matched_blocks)
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         with relay.upstream_errors(there):
             # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
@@ -331,33 +326,3 @@ def _rewrite(route: Route, name: str | None, logical_id: str) -> relay.Rewrite |
     if name is not None:
         return relay.model_rewrite(name, logical_id)
     return relay.ANY_VERSION if route.kind == "response" else None
-
-
-def _describe_target(span: Span, route: Route, target: Target, provider: str) -> None:
-    if not span.is_recording():
-        return
-    span.set_attribute(attr.OPERATION, route.operation)
-    span.set_attribute(attr.PROVIDER, provider)
-    span.set_attribute(attr.REQUEST_MODEL, target.logical_id)
-    span.set_attribute(attr.LOGICAL_ID, target.logical_id)
-    if target.version is not None:
-        span.set_attribute(attr.RESPONSE_MODEL, target.logical_id)
-        span.set_attribute(attr.VERSION_NAME, target.version.name)
-        span.set_attribute(attr.VERSION_DIGEST, target.version.digest)
-        span.set_attribute(attr.EPOCH, target.version.epoch)
-        span.set_attribute(attr.BASE, target.version.base)
-    if target.keys:
-        span.set_attribute(attr.BLOCK_KEY, target.keys[0].hex())
-
-
-def _describe_decision(span: Span, decision: Decision[Replica], target: Target) -> None:
-    if not span.is_recording():
-        return
-    span.set_attribute(attr.REPLICA, decision.replica.url)
-    span.set_attribute(attr.ROUTING, decision.reason)
-    span.set_attribute(attr.MATCHED_BLOCKS, decision.matched_blocks)
-    span.set_attribute(attr.PREDICTED_HIT, decision.matched_blocks > 0)
-    span.set_attribute(attr.PREFIX_SOURCE, decision.prefix_source)
-    if target.version is not None:
-        loaded = decision.replica.listing.adapters.get(target.version.name, "")
-        span.set_attribute(attr.REPLICA_LOADED, loaded)

@@ -25,7 +25,6 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Span
 
-from gateway.core import wire
 from gateway.core.errors import (
     BackendTimeout,
     BackendUnreachable,
@@ -192,22 +191,6 @@ def model_card(payload: bytes, served: str, logical: str) -> dict[str, object] |
     if served == logical:
         return dict(card)
     return {**card, "id": logical, "root": logical}
-
-
-def evidence(target: Target, replica_url: str, prefix_source: str, matched_blocks: int) -> dict[str, str]:
-    """The response headers that say which effective model answered, where, and the prefix blocks the
-    routing decision matched there (with their source: ``precise`` KV events, ``predicted``, ``none``)."""
-    match = f"{prefix_source}:{matched_blocks}"
-    headers = {wire.REPLICA_HEADER: replica_url, wire.PREFIX_MATCH_HEADER: match}
-    if target.version is not None:
-        headers[wire.VERSION_HEADER] = target.version.name
-        headers[wire.DIGEST_HEADER] = target.version.digest
-        headers[wire.EPOCH_HEADER] = str(target.version.epoch)
-    if target.role:
-        headers[wire.ROLE_HEADER] = target.role
-    if target.keys:
-        headers[wire.PREFIX_KEY_HEADER] = target.keys[0].hex()
-    return headers
 
 
 def openai_error(payload: bytes, status: int, replica: str) -> bytes | None:
