@@ -2,7 +2,9 @@
 
 Ready (the default): exit 0 when ``/healthz`` answers 200 (a healthy replica, not draining).
 ``--alive``: exit 0 when ``/healthz`` answers at all, 200 or its 503 (draining, or no healthy replica yet):
-the process serves HTTP, and a restart would help neither case. Anything else (refused, timed out, another
+the process serves HTTP, and a restart would help neither case. With ``--workers``, a worker's answer
+that its parent does not answer (``parent: {"state": "not answering"}``: stopped or stuck, so nothing
+restarts workers or drains on SIGTERM) is not alive. Anything else (refused, timed out, another
 status, not kvgate's answer) exits 1 with one line on stderr. The URL defaults to this container's kvgate
 (``KVGATE_PORT``, else 8080, on 127.0.0.1).
 """
@@ -33,10 +35,15 @@ def check(url: str, *, alive: bool, timeout: float) -> str | None:
     if status == 200:
         return None
     try:
-        draining_field = "draining" in json.loads(body)
+        doc = json.loads(body)
     except ValueError:
-        draining_field = False
-    if alive and status == 503 and draining_field:
+        doc = None
+    if not isinstance(doc, dict) or "draining" not in doc:
+        return f"{url}: HTTP {status}"
+    parent = doc.get("parent")
+    if isinstance(parent, dict) and parent.get("state") == "not answering":
+        return f"{url}: HTTP {status}, the workers' parent does not answer"
+    if alive and status == 503:
         return None
     return f"{url}: HTTP {status}"
 

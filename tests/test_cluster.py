@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.table import keys
+from gateway.table import keys, rollouts
 from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version
@@ -174,6 +174,14 @@ async def locks_and_replica_records(table: EpochTable, tenants: list[str]) -> No
     gone = f"{tenants[-1]}-reseeded"
     digest = "ab" * 32
     assert (await table.reseed(gone, digest, f"{gone}@{digest[:16]}", f"/store/{digest}", "base", 7)).changed
+    candidate = "cd" * 32  # a rollout's scripts on the cluster too: start, weight, abort, again, promote
+    assert (await rollouts.start_rollout(table, gone, candidate, f"{gone}@{candidate[:16]}",
+                                         f"/store/{candidate}", "base", 2500)).changed  # fmt: skip
+    assert (await rollouts.set_weight(table, gone, 5000)).weight == 5000
+    assert (await rollouts.abort(table, gone, "test")).digest == candidate
+    await rollouts.start_rollout(table, gone, candidate, f"{gone}@{candidate[:16]}", f"/store/{candidate}",
+                                 "base", 2500)  # fmt: skip
+    assert (await rollouts.promote(table, gone)).digest == candidate
     loaded = {f"{tenant}@0123456789abcdef": f"/store/{tenant}" for tenant in tenants}
     assert await table.record_loaded("http://r1", loaded, 60_000)
     assert not await table.record_loaded("http://r1", loaded, 60_000)  # unchanged: only the TTL

@@ -67,7 +67,7 @@ async def kvgate_process(
 
 
 STREAM_TOKENS = (
-    800  # long enough to outlast a publish and a second of sweeps on an idle machine (400 did not)
+    1000  # to outlast a publish and 0.6 s of sweeps on an idle machine (400 did not; 800 once did not)
 )
 
 
@@ -114,7 +114,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
         stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
         await asyncio.wait_for(started.wait(), 60)
         await publish("fleet-a", fixture_dir / "adapters" / "v2", redis_server, store)
-        await asyncio.sleep(1.0)  # A's snapshot retires v1 and its sweeper looks at it several times
+        await asyncio.sleep(0.6)  # A's snapshot retires v1 (drain_grace 0.3 s) and its sweeper looks at it again
         assert not stream.done(), "the stream outlasts A's sweeps (else this test proves nothing)"
         chunks, broke = await stream
         assert (chunks, broke) == (STREAM_TOKENS, False), "B's stream ran to its end while A retired v1"
