@@ -114,7 +114,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
         stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
         await asyncio.wait_for(started.wait(), 60)
         await publish("fleet-a", fixture_dir / "adapters" / "v2", redis_server, store)
-        await asyncio.sleep(0.6)  # A's snapshot retires v1 (drain_grace 0.3 s) and its sweeper looks at it again
+        await asyncio.sleep(0.6)  # A retires v1 (drain_grace 0.3 s), its sweeper looks again
         assert not stream.done(), "the stream outlasts A's sweeps (else this test proves nothing)"
         chunks, broke = await stream
         assert (chunks, broke) == (STREAM_TOKENS, False), "B's stream ran to its end while A retired v1"
@@ -126,7 +126,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a_and_dies_wit
             name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
         )
         await publish("fleet-a", fixture_dir / "adapters" / "v1", redis_server, store)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.6)
         assert not stream.done(), "B still streams on v2"
         assert v2_name in await loaded(http, replica), "B's lease holds v2 while B lives"
         b.send_signal(signal.SIGKILL)
