@@ -146,7 +146,7 @@ def build_app(
         app[ADMIN].check_scrape(request, public=ADMIN_LISTENER not in app)
         body = app[METRICS].exposition()
         if SIBLINGS in app:
-            body = await app[SIBLINGS].metrics(body)
+            body = app[SIBLINGS].metrics(body)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:

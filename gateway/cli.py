@@ -217,7 +217,7 @@ async def serve(settings: Settings, tracing: TracerProvider | None, place: Worke
             log.info("admin listener on %s", await listeners.enter_async_context(admin))
         if place is not None:
             place.siblings.track(app[METRICS])
-            views = place.siblings.serving(app[METRICS].exposition, lambda: local_health(app))
+            views = place.siblings.serving(app[METRICS].exposition, lambda: local_health(app), supervisor)
             await listeners.enter_async_context(views)
             place.serving()  # the parent knows this worker started
         stop = asyncio.Event()

@@ -6,8 +6,14 @@ directory is the parent's, mode 0700, beside the embedded Redis's socket): ``/me
 page, ``/healthz`` its own health body and readiness. The worker that a client reached asks every sibling
 at once (bounded by ``ASK_TIMEOUT``) and answers with
 
-- ``/metrics``: its page and the siblings' merged (``telemetry/merge.py``: counters summed, gauges the
-  largest), plus ``kvgate_workers_answering``, the number of pages merged;
+- ``/metrics``: every worker's page merged (``telemetry/merge.py``: counters summed, gauges the
+  largest), plus ``kvgate_workers_answering``, the number of fresh pages merged. The pages are not asked
+  for: each worker writes its own to ``<slot>.prom`` every ``FLUSH_SECONDS`` (and when it answers a
+  scrape), and the one that answers reads its siblings' files. So the merged counters never go down: a
+  sibling that is slow or dead still counts what its file holds (its gauges only while the file is
+  fresh), and a worker that takes over a slot carries its predecessor's counters on. A sum that dropped
+  would read to Prometheus as a counter reset, whose ``rate()`` then counts every request again. (A worker
+  killed between two writes takes at most ``FLUSH_SECONDS`` of counts with it, never shown.)
 - ``/healthz``: its own body (every field as with one process), plus ``worker`` (its slot and pid) and
   ``workers``, one entry per slot: its pid, readiness, draining, failing tasks and restarts, or
   ``"state": "down"`` when it did not answer (dead, or being restarted by the parent: it serves nobody),
@@ -22,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,11 +42,16 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.telemetry.merge import merge_pages
+from gateway.periodic import Supervisor
+from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 
+log = logging.getLogger(__name__)
 WORKERS_DIR = "workers"
-ASK_TIMEOUT = 2.0  # seconds a sibling has to answer; a sibling that does not is reported down
+ASK_TIMEOUT = 2.0  # seconds a sibling has to answer /healthz; a sibling that does not is reported down
+FLUSH_SECONDS = 1.0  # how often a worker writes its /metrics page to its file
+FRESH_SECONDS = 3 * FLUSH_SECONDS  # a page file older than this is a stopped worker's: its counters only
+NOT_CARRIED = ("kvgate_worker_restarts",)  # the parent's count per slot, not a worker's own
 LocalHealth = Callable[[], tuple[dict[str, Any], bool]]
 
 
@@ -47,6 +61,17 @@ PARENT = "parent"
 def socket_path(data_dir: Path, slot: int | str) -> Path:
     """Worker ``slot``'s private socket, or the parent's (``PARENT``)."""
     return data_dir / WORKERS_DIR / f"{slot}.sock"
+
+
+def page_path(data_dir: Path, slot: int) -> Path:
+    """Worker ``slot``'s last written ``/metrics`` page."""
+    return data_dir / WORKERS_DIR / f"{slot}.prom"
+
+
+def forget_pages(data_dir: Path) -> None:
+    """A new parent's workers count from 0 (a process restart, which Prometheus reads as a reset)."""
+    for stale in (data_dir / WORKERS_DIR).glob("*.prom"):
+        _remove(stale)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -92,25 +117,55 @@ class Siblings:
     def __init__(self, data_dir: Path, slot: int, count: int, restarts: int) -> None:
         self.data_dir, self.slot, self.count, self.restarts = data_dir, slot, count, restarts
         self.pid = os.getpid()
+        self.carried = b""
+        """The counters of this slot's earlier workers (the last page the one before wrote)."""
 
     def track(self, metrics: Metrics) -> None:
         """``kvgate_worker_restarts_total{worker}`` on this worker's page: its slot's restarts."""
         metrics.registry.register(_Restarts(str(self.slot), lambda: self.restarts))
 
     @contextlib.asynccontextmanager
-    async def serving(self, metrics: Callable[[], bytes], health: LocalHealth) -> AsyncIterator[None]:
-        """This worker's own views on its private socket, for its siblings."""
+    async def serving(
+        self, metrics: Callable[[], bytes], health: LocalHealth, supervisor: Supervisor
+    ) -> AsyncIterator[None]:
+        """This worker's own views on its private socket, for its siblings, and its page in its file
+        (``metrics-page``, a supervised task: a write that fails is retried, counted and on /healthz)."""
+        self.carried = counters_only(_read(page_path(self.data_dir, self.slot)) or b"", NOT_CARRIED)
 
         async def page(request: web.Request) -> web.Response:
-            return web.Response(body=metrics())
+            return web.Response(body=self.page(metrics()))
 
         async def own_health(request: web.Request) -> web.Response:
             body, ready = health()
             return web.Response(body=orjson.dumps({"body": body, "ready": ready, **self._me()}))
 
+        async def flush() -> None:
+            while True:
+                await asyncio.sleep(FLUSH_SECONDS)
+                self.write(metrics())
+
+        self.write(metrics())  # the slot's file holds this worker from its start
+
         routes = {"/metrics": page, "/healthz": own_health}
-        async with serving_unix(socket_path(self.data_dir, self.slot), routes):
+        async with (
+            serving_unix(socket_path(self.data_dir, self.slot), routes),
+            supervisor.run("metrics-page", flush, period=FLUSH_SECONDS),
+        ):
             yield
+        with contextlib.suppress(OSError):
+            self.write(metrics())  # what it counted to the end (drained), for the slot's next worker
+
+    def page(self, own: bytes) -> bytes:
+        """This worker's page with its slot's earlier workers' counters in it."""
+        return merge_pages([own, self.carried]) if self.carried else own
+
+    def write(self, own: bytes) -> bytes:
+        """``page(own)`` written to this slot's file (whole: a reader never sees half of one); returned."""
+        page, path = self.page(own), page_path(self.data_dir, self.slot)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_bytes(page)
+        os.replace(temporary, path)
+        return page
 
     def _me(self) -> dict[str, Any]:
         return {"slot": self.slot, "pid": self.pid, "restarts": self.restarts}
@@ -130,14 +185,28 @@ class Siblings:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return None
 
-    async def metrics(self, own: bytes) -> bytes:
-        pages = [page for page in await asyncio.gather(*(self._ask(s, "/metrics") for s in self._others()))]
-        answered = [own, *(page for page in pages if page is not None)]
+    def metrics(self, own: bytes) -> bytes:
+        """Every worker's page, merged: this one's as it is now (written first, so that no later scrape,
+        whichever worker answers it, shows less), its siblings' from their files."""
+        try:
+            pages = [self.write(own)]
+        except OSError as exc:  # the metrics-page task fails the same way, and says so on /healthz
+            log.warning("worker %d could not write its metrics page: %r", self.slot, exc)
+            pages = [self.page(own)]
+        fresh = 1
+        for slot in self._others():
+            path = page_path(self.data_dir, slot)
+            page, age = _read(path), _age(path)
+            if page is not None and age <= FRESH_SECONDS:
+                pages.append(page)
+                fresh += 1
+            elif page is not None:  # a stopped worker's: what it counted still counts
+                pages.append(counters_only(page, NOT_CARRIED))
         count = (
             "# HELP kvgate_workers_answering Worker processes whose metrics this page sums\n"
-            f"# TYPE kvgate_workers_answering gauge\nkvgate_workers_answering {len(answered)}.0\n"
+            f"# TYPE kvgate_workers_answering gauge\nkvgate_workers_answering {fresh}.0\n"
         )
-        return merge_pages(answered) + count.encode()
+        return merge_pages(pages) + count.encode()
 
     async def health(self, own: dict[str, Any], ready: bool) -> tuple[dict[str, Any], bool]:
         others = list(self._others())
@@ -175,6 +244,21 @@ def _summary(body: dict[str, Any], ready: bool) -> dict[str, Any]:
         "failing": body.get("failing"),
         "replicas_healthy": body.get("replicas_healthy"),
     }
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _age(path: Path) -> float:
+    """Seconds since ``path`` was written (infinite when there is none)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return math.inf
 
 
 def _parse(answer: bytes | None) -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ from gateway.core.errors import BadRequest, KvgateError
 from gateway.open_table import open_table
 from gateway.periodic import Supervisor
 from gateway.serving import BACKLOG
-from gateway.siblings import WORKERS_DIR, Siblings, parent_views
+from gateway.siblings import WORKERS_DIR, Siblings, forget_pages, parent_views
 
 log = logging.getLogger("gateway.workers")
 
@@ -213,6 +213,7 @@ async def run_workers(
     directory = settings.data_dir / WORKERS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)  # the workers' private sockets
+    forget_pages(settings.data_dir)
     supervisor = Supervisor(failure_limit=settings.background_failure_limit)  # the embedded Redis's
     restarts: dict[int, int] = {}
     served: set[int] = set()

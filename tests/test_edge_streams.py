@@ -114,7 +114,13 @@ async def test_a_client_that_closes_streams_takes_no_replica_out_of_service(
 
             await eventually(all_cancelled, "every aborted stream is cancelled at its replica")
             health = await replica_health(url)
-            closed = await metric(url, 'kvgate_requests_total{logical_id="base",outcome="client_closed"}')
+            closed_series = 'kvgate_requests_total{logical_id="base",outcome="client_closed"}'
+
+            async def all_counted() -> bool:  # with workers, a sibling's page is up to a second old
+                return await metric(url, closed_series) == aborted
+
+            await eventually(all_counted, "every aborted stream counted client_closed")
+            closed = await metric(url, closed_series)
             retries = await metric(url, 'kvgate_routing_decisions_total{decision="retry"}')
     assert texts == ["".join(f"t{i}" for i in range(20))] * normal
     assert health == {u: True for u, _ in backends}

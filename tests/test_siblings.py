@@ -4,13 +4,16 @@ the workers' private unix sockets (real sockets, real ``Metrics`` registries).""
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.siblings import WORKERS_DIR, Siblings, parent_views
-from gateway.telemetry.merge import merge_pages
+from gateway.periodic import Supervisor
+from gateway.siblings import FRESH_SECONDS, WORKERS_DIR, Siblings, page_path, parent_views
+from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 
 
@@ -69,7 +72,9 @@ async def test_any_worker_answers_for_all_a_not_ready_or_down_sibling_shows(tmp_
         assert body["parent"] == {"state": "not answering"}
         await stack.enter_async_context(parent_views(tmp_path, lambda: parent))
         for worker, view in zip(workers[:2], views[:2], strict=True):  # worker 2 is down
-            await stack.enter_async_context(worker.serving(view.metrics.exposition, view.health))
+            await stack.enter_async_context(
+                worker.serving(view.metrics.exposition, view.health, Supervisor())
+            )
         body, ready = await workers[0].health(*views[0].health())
         assert ready, "worker 2 is down: not live, so not counted against readiness"
         assert [w["state"] for w in body["workers"]] == ["ready", "ready", "down"]
@@ -81,12 +86,50 @@ async def test_any_worker_answers_for_all_a_not_ready_or_down_sibling_shows(tmp_
         assert not ready, "a parent task that keeps failing makes every worker answer 503"
         assert body["failing"] == ["embedded-redis"]
         parent["failing"] = []
-        await stack.enter_async_context(workers[2].serving(views[2].metrics.exposition, views[2].health))
+        await stack.enter_async_context(
+            workers[2].serving(views[2].metrics.exposition, views[2].health, Supervisor())
+        )
         body, ready = await workers[0].health(*views[0].health())
         assert not ready, "a live worker that is not ready makes every worker answer 503"
         assert [(w["slot"], w["state"], w["restarts"]) for w in body["workers"]] == [
             (0, "ready", 0), (1, "ready", 1), (2, "not ready", 2),
         ]  # fmt: skip
-        page = values(await workers[1].metrics(views[1].metrics.exposition()))
+        page = values(workers[1].metrics(views[1].metrics.exposition()))
         assert page[("kvgate_requests_total", (("logical_id", "tenant-42"), ("outcome", "200")))] == 3
         assert page[("kvgate_workers_answering", ())] == 3
+
+
+REQUESTS = ("kvgate_requests_total", (("logical_id", "tenant-42"), ("outcome", "200")))
+LAG = ("kvgate_kv_event_lag_seconds", (("replica", "http://r0"),))
+
+
+async def test_merged_counters_never_drop_when_a_worker_stops_or_its_slot_restarts(tmp_path: Path) -> None:
+    """What a scrape showed, a later one shows at least: a stopped worker's last page still counts (its
+    gauges do not), and the worker that takes over its slot carries its counters on."""
+    (tmp_path / WORKERS_DIR).mkdir()
+    first, second = Siblings(tmp_path, 0, 2, restarts=0), Siblings(tmp_path, 1, 2, restarts=0)
+    ones, twos = worker_metrics(3, lag=9.0), worker_metrics(4, lag=1.0)
+    first.track(ones)
+    async with first.serving(ones.exposition, lambda: ({}, True), Supervisor()):
+        before = values(second.metrics(twos.exposition()))
+    assert (before[REQUESTS], before[LAG], before[("kvgate_workers_answering", ())]) == (7, 9.0, 2)
+    old = time.time() - FRESH_SECONDS - 1
+    os.utime(page_path(tmp_path, 0), (old, old))  # worker 0 died and nothing took its slot yet
+    stopped = values(second.metrics(twos.exposition()))
+    assert (stopped[REQUESTS], stopped[LAG], stopped[("kvgate_workers_answering", ())]) == (7, 1.0, 1)
+    successor, fresh = Siblings(tmp_path, 0, 2, restarts=1), worker_metrics(1, lag=0.0)
+    successor.track(fresh)
+    async with successor.serving(fresh.exposition, lambda: ({}, True), Supervisor()):
+        after = values(successor.metrics(fresh.exposition()))
+    assert after[REQUESTS] == 3 + 4 + 1, "the successor carries worker 0's 3 on"
+    assert after[("kvgate_worker_restarts_total", (("worker", "0"),))] == 1, "the parent's count, not carried"
+
+
+def test_what_a_stopped_worker_still_counts_is_its_counters_and_histograms() -> None:
+    page = worker_metrics(2, lag=5.0, only_here="http://r1").exposition()
+    kept = values(counters_only(page, ("kvgate_adapter_unloads",)))
+    assert kept[REQUESTS] == 2
+    assert kept[("kvgate_request_duration_seconds_count", ())] == 2
+    assert LAG not in kept
+    assert not any(name.startswith("kvgate_adapter_unloads") for name, _ in kept)
+    assert counters_only(b"") == b""

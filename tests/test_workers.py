@@ -148,7 +148,11 @@ async def test_two_workers_serve_a_later_publish_and_metrics_sum_both(
             answered = {slot for slot, page in enumerate(pages) if sample(page, series) > 0}
         assert answered == {0, 1}, f"one worker took all {sent} connections"
         assert sum(sample(page, series) for page in pages) == sent
-        assert sample(await served.merged_metrics(), series) == sent  # whichever worker answers the scrape
+
+        async def summed() -> bool:  # whichever worker answers the scrape; a sibling's page is ≤ 1 s old
+            return sample(await served.merged_metrics(), series) == sent
+
+        await eventually(summed, f"the merged page counts all {sent} requests")
         assert {r["model"] for r in stub.received if r.get("prompt") == "p"} == {name}
     assert served.process.returncode == 0, served.text()
     assert not EmbeddedRedis(data).answers(), "the embedded Redis stops with the parent"
@@ -178,14 +182,29 @@ async def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
     assert "draining" in served.text()
 
 
-async def test_a_killed_worker_is_restarted_and_counted(tmp_path: Path) -> None:
+async def test_a_killed_worker_is_restarted_and_counted_and_the_merged_counters_never_drop(
+    tmp_path: Path,
+) -> None:
     data = tmp_path / "kvgate"
     async with running(build_stub(StubState())) as stub_url, serve(data, stub_url) as served:
+        sent = 0
+        while sample(await served.own(1, "/metrics"), "kvgate_request_duration_seconds_count") == 0:
+            assert sent < 400, "worker 1 took no connection"
+            await asyncio.gather(*(complete(served.url, "base") for _ in range(10)))
+            sent += 10
+
+        async def counted(want: int) -> bool:
+            return sample(await served.merged_metrics(), "kvgate_request_duration_seconds_count") == want
+
+        await eventually(lambda: counted(sent), f"the merged page counts all {sent} requests")
         _, body = await served.health()
         victim = body["workers"][1]
         os.kill(victim["pid"], signal.SIGKILL)
         statuses = await asyncio.gather(*(complete(served.url, "base") for _ in range(20)))
         assert statuses == [200] * 20, "the other worker takes every connection meanwhile"
+        assert sample(await served.merged_metrics(), "kvgate_request_duration_seconds_count") >= sent, (
+            "a dead worker's requests still count"
+        )
 
         async def back() -> bool:
             _, now = await served.health()
@@ -193,6 +212,7 @@ async def test_a_killed_worker_is_restarted_and_counted(tmp_path: Path) -> None:
             return bool(slot["state"] == "ready" and slot["pid"] != victim["pid"] and slot["restarts"] == 1)
 
         await eventually(back, "worker 1 restarted and ready", within=60)
+        await eventually(lambda: counted(sent + 20), "the new worker 1 carries the old one's counts on")
         page = await served.merged_metrics()
         assert sample(page, 'kvgate_worker_restarts_total{worker="1"}') == 1
         assert sample(page, 'kvgate_worker_restarts_total{worker="0"}') == 0
@@ -231,8 +251,12 @@ async def test_every_worker_follows_the_kv_events(tmp_path: Path, model_dir: Pat
                     return [sample(page, stored) for page in pages] == [3, 3]
 
                 await eventually(both_applied, "each worker applied the 3 BlockStored events", within=20)
+
+                async def summed() -> bool:  # counters: summed over the workers (a sibling's page ≤ 1 s old)
+                    return sample(await served.merged_metrics(), stored) == 6
+
+                await eventually(summed, "the merged page sums both workers' 3 events")
                 page = await served.merged_metrics()
-                assert sample(page, stored) == 6  # counters: summed over the workers
                 blocks = f'kvgate_kv_view_blocks{{replica="{stub_url}"}}'
                 pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
                 each = [sample(own, blocks) for own in pages]

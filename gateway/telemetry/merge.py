@@ -69,3 +69,25 @@ def merge_pages(pages: Iterable[bytes]) -> bytes:
         out.extend(family.comments)
         out.extend(f"{key} {_text(value)}" for key, value in family.samples.items())
     return ("\n".join(out) + "\n").encode() if out else b""
+
+
+_ACCUMULATING = frozenset(("counter", "histogram", "summary"))
+
+
+def counters_only(page: bytes, drop: tuple[str, ...] = ()) -> bytes:
+    """The families of ``page`` that only grow (counters, histograms, summaries, and their ``_created``
+    times), without those whose name starts with one of ``drop``: what a worker that has stopped still
+    contributes to the sum (its gauges said something only while it ran)."""
+    kept: list[str] = []
+    family: list[str] = []  # the lines of the family being read, from its first comment
+    name, kind = "", ""
+    for raw in [*page.decode("utf-8", "replace").splitlines(), "# HELP end-of-page"]:
+        parts = raw.split(None, 3)
+        if raw.startswith("#") and len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] != name:
+            if kind in _ACCUMULATING and not (drop and name.startswith(drop)):
+                kept.extend(family)
+            family, name, kind = [], parts[2], "untyped"
+        if raw.startswith("# TYPE ") and len(parts) == 4:
+            kind = "counter" if name.endswith("_created") else parts[3].strip()
+        family.append(raw)
+    return ("\n".join(kept) + "\n").encode() if kept else b""
