@@ -1,0 +1,190 @@
+"""Where kvgate's own CPU per request goes: the request path's stages timed inside ``kvgate serve``, and
+the same app with its request path cut out, under the load of ``make loadtest-proxy``.
+
+Three runs of ``kvgate serve`` (one process, the same stub, an adapter published as the current version of
+``bench``, wrk at concurrency 64, non-streaming), CPU per request from its process tree as in
+``proxy_overhead``:
+
+- **kvgate**: as it is;
+- **stages timed**: each stage of ``Proxy.handle`` wrapped in a ``perf_counter_ns`` timer (the timers cost a
+  little; their sum is wall time inside the stages, which on a busy loop is close to their CPU);
+- **app without the request path**: kvgate's whole app (edge protocol, error middleware, drain, routes)
+  with ``Proxy.handle`` replaced by what ``loadtest/stack_proxies.py``'s minimal proxy does (read the body,
+  rewrite ``model`` on the bytes, forward on kvgate's httptools client, relay): the framework's share.
+
+Run from the repository root (a few minutes)::
+
+    .venv/bin/python -m loadtest.stage_times [--seconds 4] [--rounds 2]
+
+``--serve MODE ...`` is internal: it is how this module starts the instrumented kvgate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gateway.serving import free_port
+from loadtest import proxy_overhead as po
+
+MODES = {
+    "kvgate": "kvgate (`kvgate serve`, one process)",
+    "timed": "stages timed",
+    "no-path": "app without the request path (a minimal handler)",
+}
+Timings = dict[str, list[int]]  # stage -> [nanoseconds, calls]
+
+
+def _timed(timings: Timings, label: str, function: Callable[..., Any], coroutine: bool) -> Callable[..., Any]:
+    def note(started: int) -> None:
+        held = timings.setdefault(label, [0, 0])
+        held[0] += time.perf_counter_ns() - started
+        held[1] += 1
+
+    if coroutine:
+
+        @functools.wraps(function)
+        async def waited(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                note(started)
+
+        return waited
+
+    @functools.wraps(function)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            note(started)
+
+    return called
+
+
+def _time_stages(timings: Timings) -> None:
+    from gateway.fleet import reservation
+    from gateway.request import intake, placement, proxy, relay
+
+    stages: list[tuple[Any, str, str, bool]] = [
+        (proxy.Proxy, "handle", "the whole request (wall, with its waits)", True),
+        (intake.Intake, "parse", "1 parse (read the body, decode, admin headers)", True),
+        (proxy.Proxy, "resolve", "2 resolve (snapshot, split, salt, prefix keys)", False),
+        (placement.Placement, "_decide", "3 schedule: the decision", False),
+        (reservation.Reservation, "take", "3 schedule: the reservation (lease)", True),
+        (proxy, "upstream_body", "4 forward: the body spliced", False),
+        (relay, "relay_body", "4 relay: read the answer, build the response", True),
+        (relay, "transform", "4 relay: model rewritten back, usage read", False),
+    ]
+    for owner, name, label, coroutine in stages:
+        setattr(owner, name, _timed(timings, label, getattr(owner, name), coroutine))
+
+
+def _cut_the_path(versioned: bytes) -> None:
+    from aiohttp import web
+
+    from gateway.request import proxy
+    from gateway.request.routes import Route
+
+    async def handle(self: proxy.Proxy, request: web.Request, route: Route) -> web.StreamResponse:
+        body = (await request.read()).replace(b'"model": "bench"', b'"model": "' + versioned + b'"', 1)
+        replica = self.pool.replicas[0]
+        headers = {"Content-Type": "application/json"}
+        answer = await self.upstream.request("POST", replica.url, route.path, body, headers)
+        try:
+            payload, status = await answer.read(), answer.status
+        finally:
+            answer.release()
+        back = payload.replace(b'"model":"' + versioned + b'"', b'"model":"bench"')
+        return web.Response(body=back, status=status, content_type="application/json")
+
+    proxy.Proxy.handle = handle  # type: ignore[method-assign]
+
+
+def serve(mode: str, out: Path, versioned: str, argv: list[str]) -> int:
+    """kvgate, instrumented as ``mode`` says; the stage timings go to ``out`` (JSON) when it stops."""
+    from gateway.cli import main
+
+    timings: Timings = {}
+    if mode == "timed":
+        _time_stages(timings)
+    elif mode == "no-path":
+        _cut_the_path(versioned.encode())
+    try:
+        return main(argv)
+    finally:
+        out.write_text(json.dumps(timings))
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    py = sys.executable
+    result: dict[str, Any] = {"cpu": {mode: [] for mode in MODES}, "stages": {}}
+    with tempfile.TemporaryDirectory(prefix="kvgate-stages-") as tmp, po.Fleet(Path(tmp)) as fleet:
+        workdir = Path(tmp)
+        fleet.callback(po.stop_leftover_redis, workdir)
+        stub_port = free_port()
+        stub = fleet.start("stub", [py, "-m", "loadtest.stub_server", "--port", str(stub_port)])
+        stub_url = f"http://127.0.0.1:{stub_port}"
+        po.wait_ready(stub, stub_url + "/v1/models")
+        versioned = str(po.publish(workdir)["name"])
+        targets: dict[str, po.Target] = {}
+        for mode in MODES:
+            port = free_port()
+            argv = ["serve", "--replica", stub_url, "--data-dir", str(workdir / mode),
+                    "--store", str(workdir / "store"), "--workers", "1", "--port", str(port)]  # fmt: skip
+            if mode != "kvgate":  # the same Redis (embedded by the first), the same published version
+                argv += ["--redis-url", f"unix://{workdir / 'kvgate' / 'redis' / 'redis.sock'}"]  # publish's
+            launcher = [py, "-m", "loadtest.stage_times", "--serve", mode, str(workdir / f"{mode}.json"),
+                        versioned, "--", *argv]  # fmt: skip
+            child = fleet.start(mode, launcher)
+            url = f"http://127.0.0.1:{port}"
+            po.wait_ready(child, url + "/healthz")
+            targets[mode] = po.Target(mode, url, po.LOGICAL_ID, po.LOGICAL_ID, child)
+            po.check_plain(targets[mode])
+        for _ in range(args.rounds):
+            for mode, target in targets.items():
+                script = po.wrk_script(workdir, target, "plain")
+                cell = po.run_wrk(target, stub, script, concurrency=64, seconds=args.seconds)
+                result["cpu"][mode].append(cell.cpu_us())
+                print(f"{MODES[mode]}: {cell.rps():,.0f} req/s, {cell.cpu_us():.0f} µs CPU a request, "
+                      f"foreign {cell.foreign_cores:.2f} cores", flush=True)  # fmt: skip
+        targets["timed"].proxy.stop()  # type: ignore[union-attr]  # it writes its timings as it stops
+        timings = json.loads((workdir / "timed.json").read_text())
+        requests = timings.get("the whole request (wall, with its waits)", [0, 1])[1] or 1
+        result["stages"] = {label: ns / requests / 1000 for label, (ns, _) in timings.items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        mode, out, versioned, _, *rest = argv[1:]
+        return serve(mode, Path(out), versioned, rest)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    os.chdir(po.ROOT)
+    result = measure(args)
+    print(f"\nCPU µs a request at c64, median of {args.rounds} rounds:")
+    for mode, label in MODES.items():
+        print(f"  {label}: {statistics.median(result['cpu'][mode]):.0f}")
+    print("\nµs a request inside each stage (stages timed):")
+    for label, micros in sorted(result["stages"].items()):
+        print(f"  {label}: {micros:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
