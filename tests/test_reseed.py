@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,12 @@ from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app import build_app
 from gateway.config import Settings
-from gateway.core.model import Change
+from gateway.core.model import Change, VersionState
 from gateway.serving import running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
+from gateway.table.reseed import PROVING_AT_ONCE, Reseeder
+from gateway.telemetry.metrics import Metrics
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_epoch_table import logged
@@ -157,3 +161,32 @@ async def test_a_reseed_changes_nothing_after_a_lower_epoch_or_any_other_write(t
 async def reseed(table: EpochTable, digest: str, epoch: int) -> Change:
     name, path = f"tenant-42@{digest[:16]}", f"/store/{digest}"
     return await table.reseed("tenant-42", digest, name, path, "base", epoch)
+
+
+async def test_proving_runs_off_the_event_loop_in_parallel_batches(redis: Redis, table: EpochTable) -> None:
+    """An object store proves a version with a HEAD request: never on the loop that serves requests."""
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    at_once, most = 0, 0
+    lock = threading.Lock()
+
+    def proves(digest: str, path: str) -> bool:
+        nonlocal at_once, most
+        with lock:
+            at_once += 1
+            most = max(most, at_once)
+        time.sleep(0.05)  # a slow store: the batch's threads overlap
+        with lock:
+            at_once -= 1
+            threads.append(threading.get_ident())
+        return digest != "0" * 64
+
+    held = [VersionState(f"tenant-{i}", str(i % 10) * 64, f"tenant-{i}@{str(i % 10) * 16}",
+                         f"/store/{i}", "base", 1) for i in range(20)]  # fmt: skip
+    reseeder = Reseeder(table, proves, Metrics())
+    assert await reseeder.reseed(held, "generation-2")
+    assert len(threads) == 20
+    assert loop_thread not in threads
+    assert 1 < most <= PROVING_AT_ONCE
+    outcomes = reseeder.health()
+    assert (outcomes["reseeded"], outcomes["unproven"]) == (18, 2)  # tenant-0 and tenant-10: digest 0…0
