@@ -118,11 +118,11 @@ class Settings(BaseSettings):
     background_failure_limit: float = Field(5.0, gt=0)
     """Readiness: a background task that keeps failing (each restart, after a backoff, fails again) for
     longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
-    it runs a whole period without failing. Periods: poll_interval (replica poll, adapter sweep),
-    reconcile_interval (snapshot sync, API key sync, purger), lease_ttl / 4 (leases heartbeat),
-    canary_interval (canary), rollout_gate_interval (rollout gate), 2 s (the embedded Redis's
-    supervision: failing that long, restarts of redis-server that keep failing end ``kvgate serve``
-    with exit 1)."""
+    it works again (a loop: one of its steps ends; a subscriber: it runs a whole period). Periods:
+    poll_interval (replica poll, adapter sweep), reconcile_interval (snapshot sync, API key sync,
+    purger), lease_ttl / 4 (leases heartbeat), canary_interval (canary), rollout_gate_interval (rollout
+    gate), 2 s (the embedded Redis's supervision: failing that long, restarts of redis-server that keep
+    failing end ``kvgate serve`` with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)

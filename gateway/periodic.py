@@ -13,15 +13,19 @@ the embedded Redis too). A task runs beside a block::
 
 ``factory`` makes a fresh coroutine for each (re)start. A cancellation ends the task; any other exception
 (and a return: a background task runs until cancelled) restarts it after a capped exponential backoff
-(``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends once a
-run has lasted a whole ``period`` without failing: the backoff starts over. A burst is logged once (its
-first failure, with the traceback; its end, "running again"), and every restart is counted
-(``restarts``, exported as ``kvgate_background_restarts_total{task}``).
+(``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends when
+the task works again: for a loop built on ``periodically``, when one of its steps ends without an error
+it cannot answer itself (each step reports to the supervised task it runs in); for a task that never
+reported a step (a subscriber that runs until cancelled), once a run has lasted a whole ``period``
+without failing. (Time alone would not do for a loop: a step that takes longer than the period to fail,
+a call that times out, would end its burst at every try and never count as failing.) The backoff then
+starts over. A burst is logged once (its first failure, with the traceback; its end, "running again"),
+and every restart is counted (``restarts``, exported as ``kvgate_background_restarts_total{task}``).
 
 A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
-names it with its last error (``/healthz`` answers 503 with that reason) until it has run a whole period
-without failing again. A ``fatal`` task that is failing makes the process useless: ``fatal_reason`` is
-set and ``wait_fatal`` returns it (``kvgate serve`` then exits 1).
+names it with its last error (``/healthz`` answers 503 with that reason) until it works again (above).
+A ``fatal`` task that is failing makes the process useless: ``fatal_reason`` is set and ``wait_fatal``
+returns it (``kvgate serve`` then exits 1).
 
 Task names are the label values of the restart counter: a fixed set (one per loop, or one per
 configured replica), never anything a client or Redis chooses.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,6 +67,16 @@ class TaskState:
     failing_since: float | None = None  # monotonic: the current burst's first failure (None: no burst)
     burst: int = 0  # failures in the current burst
     unready_logged: bool = False  # this burst's readiness failure was logged
+    steps: bool = False  # it reports its steps (``periodically``): only a step ends a burst
+
+    def worked(self) -> None:
+        """The burst, if any, is over: the task did its work again."""
+        if self.failing_since is not None:
+            log.info(
+                "background task %s running again after %d failure(s) in %.1f s",
+                self.name, self.burst, self.failing_for(time.monotonic()),
+            )  # fmt: skip
+        self.failing_since, self.burst, self.unready_logged = None, 0, False
 
     def failing_for(self, now: float) -> float:
         return 0.0 if self.failing_since is None else now - self.failing_since
@@ -75,6 +90,10 @@ class TaskState:
             "last_error": error,
             "failing_for_s": round(self.failing_for(now), 1) if self.failing_since is not None else None,
         }
+
+
+_RUNNING: contextvars.ContextVar[TaskState] = contextvars.ContextVar("kvgate_supervised_task")
+"""The supervised task the current code runs in (set in the task's own context)."""
 
 
 class Supervisor:
@@ -109,7 +128,9 @@ class Supervisor:
             try:
                 # its own task: a TaskGroup inside that fails leaves its parent's cancel count raised
                 # (Python 3.11), which must not read as this task being cancelled
-                await asyncio.ensure_future(factory())
+                context = contextvars.copy_context()
+                context.run(_RUNNING.set, state)  # its steps report to this state
+                await context.run(asyncio.ensure_future, factory())  # the task runs in a copy of it
                 error: Exception = RuntimeError("it returned (a background task runs until cancelled)")
             except Exception as exc:  # a cancellation (BaseException) ends it
                 error = exc
@@ -145,12 +166,8 @@ class Supervisor:
         return min(max(BACKOFF_MAX_S, state.period), BACKOFF_FIRST_S * 2.0 ** (state.burst - 1))
 
     def _ran_a_period(self, state: TaskState) -> None:
-        if state.failing_since is not None:
-            log.info(
-                "background task %s running again after %d failure(s) in %.1f s",
-                state.name, state.burst, state.failing_for(time.monotonic()),
-            )  # fmt: skip
-        state.failing_since, state.burst, state.unready_logged = None, 0, False
+        if not state.steps:  # a loop's burst ends at its next good step instead
+            state.worked()
 
     def _over_limit(self, state: TaskState) -> bool:
         return state.failing_for(time.monotonic()) > self.failure_limit * state.period
@@ -200,10 +217,15 @@ async def periodically(
     on_error: Callable[[Exception], None] = lambda exc: None,
 ) -> None:
     """Run ``step`` every ``interval`` seconds until cancelled; ``survive`` errors go to ``on_error``.
+    Each step that ends (done, or with an error it survives) tells the supervised task this loop runs in
+    that it works: that ends a burst of failures (``Supervisor``).
 
     Some client libraries turn a cancellation that lands mid-call into their own timeout or
     connection error; if this task is being cancelled, that error ends the loop as a cancellation.
     """
+    supervised = _RUNNING.get(None)
+    if supervised is not None:
+        supervised.steps = True
     while True:
         try:
             await step()
@@ -211,6 +233,8 @@ async def periodically(
             raise_if_cancelling(exc)
             on_error(exc)
         raise_if_cancelling()
+        if supervised is not None:  # a step done, or an error the loop answers itself: it works
+            supervised.worked()
         await asyncio.sleep(interval)
 
 

@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.periodic import Supervisor
+from gateway.periodic import Supervisor, periodically
 from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 
@@ -140,9 +140,10 @@ class Siblings:
             return web.Response(body=orjson.dumps({"body": body, "ready": ready, **self._me()}))
 
         async def flush() -> None:
-            while True:
-                await asyncio.sleep(FLUSH_SECONDS)
+            async def step() -> None:
                 self.write(metrics())
+
+            await periodically(FLUSH_SECONDS, step)
 
         self.write(metrics())  # the slot's file holds this worker from its start
 

@@ -36,7 +36,7 @@ from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import Supervisor
+from gateway.periodic import Supervisor, periodically
 from gateway.proof.canary import Canary
 from gateway.serving import free_port, running
 from gateway.table.callers import CallerSync
@@ -285,3 +285,26 @@ async def test_a_burst_of_failures_is_logged_once_and_its_end_once(caplog: pytes
     assert (len(failed), len(again)) == (1, 1), [r.getMessage() for r in caplog.records]
     assert "work" not in supervisor.tasks, "the block's end stopped it (a cancellation is no failure)"
     assert state.restarts == 4
+
+
+async def test_a_loop_whose_every_step_fails_slower_than_its_period_still_counts_as_failing() -> None:
+    """A step that times out after more than the period (a hung replica, a slow Redis) fails every try;
+    its runs last longer than a period, which must not end the burst: only a good step does."""
+    supervisor = Supervisor(failure_limit=5)  # failing after 0.25 s of failures; time alone ended each
+    good = False  # burst within 0.15 s (a 0.1 s backoff, then a period into the next try)
+
+    async def step() -> None:
+        await asyncio.sleep(0.15)  # longer than the period
+        if not good:
+            raise RuntimeError("timed out")
+
+    async def loop() -> None:
+        await periodically(0.01, step)
+
+    async with supervisor.run("slow-failure", loop, period=0.05) as state:
+        await eventually(lambda: bool(supervisor.failing()), "failing after 5 periods of slow failures")
+        assert state.steps, "periodically reports its steps to the task it runs in"
+        assert "slow-failure" in supervisor.failing()[0]
+        good = True
+        await eventually(lambda: not supervisor.failing(), "a good step ends the burst")
+        assert state.failing_since is None
