@@ -3,8 +3,7 @@ answers for all of them.
 
 Every worker serves its own views on a private unix socket, ``<data-dir>/workers/<slot>.sock`` (the
 directory is the parent's, mode 0700, beside the embedded Redis's socket): ``/metrics`` its registry's
-page, ``/healthz`` its own health body and readiness. The worker that a client reached asks every sibling
-at once (bounded by ``ASK_TIMEOUT``) and answers with
+page, ``/healthz`` its own health body and readiness. The worker that a client reached answers with
 
 - ``/metrics``: every worker's page merged (``telemetry/merge.py``: counters summed, gauges the
   largest), plus ``kvgate_workers_answering``, the number of fresh pages merged. The pages are not asked
@@ -14,14 +13,14 @@ at once (bounded by ``ASK_TIMEOUT``) and answers with
   fresh), and a worker that takes over a slot carries its predecessor's counters on. A sum that dropped
   would read to Prometheus as a counter reset, whose ``rate()`` then counts every request again. (A worker
   killed between two writes takes at most ``FLUSH_SECONDS`` of counts with it, never shown.)
-- ``/healthz``: its own body (every field as with one process), plus ``worker`` (its slot and pid) and
-  ``workers``, one entry per slot: its pid, readiness, draining, failing tasks and restarts, or
-  ``"state": "down"`` when it did not answer (dead, or being restarted by the parent: it serves nobody),
-  ``"starting"`` (503) when the parent says that slot's first worker has not served yet.
-  Ready only if this worker and every worker that answered are ready. The parent's own supervised
-  tasks (the embedded Redis) join ``background`` and ``failing``, and ``parent`` holds its answer (its
-  socket is ``workers/parent.sock``): a parent task that keeps failing, or a parent that does not
-  answer, makes every worker answer 503.
+- ``/healthz`` (every sibling asked at once, bounded by ``ASK_TIMEOUT``): its own body (every field as
+  with one process), plus ``worker`` (its slot and pid) and ``workers``, one entry per slot: its pid,
+  readiness, draining, failing tasks and restarts, or ``"state": "down"`` when it did not answer (dead,
+  or being restarted by the parent: it serves nobody), ``"starting"`` (503) when the parent says that
+  slot's first worker has not served yet. Ready only if this worker and every worker that answered are
+  ready. The parent's own supervised tasks (the embedded Redis) join ``background`` and ``failing``, and
+  ``parent`` holds its answer (its socket is ``workers/parent.sock``): a parent task that keeps failing,
+  or a parent that does not answer, makes every worker answer 503.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ order, and end at the freshest version they held; a publish made meanwhile wins)
 ``reseeded`` history event. ``health()`` is what ``/healthz`` shows.
 
 Proving asks the store (a ``stat`` of a directory, or a ``HEAD`` of a manifest on an object store), so it
-runs in worker threads, ``PROVING_AT_ONCE`` versions at a time: requests keep being served meanwhile (a
-reseed holds a snapshot that still answers), and 10,000 versions on S3 take seconds, not minutes.
+runs in the default executor's worker threads, at most ``PROVING_AT_ONCE`` versions at a time: requests
+keep being served meanwhile (the snapshot a reseed holds still answers them), and the round trips to an
+object store overlap instead of following one another.
 """
 
 from __future__ import annotations
