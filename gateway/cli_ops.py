@@ -228,7 +228,8 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerPr
     removable = [e for e in report.entries if not e.kept_because]
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "entries": [e.to_json() for e in report.entries],
-                          "removed": report.removed, "restored": report.restored}, indent=2))  # fmt: skip
+                          "removed": report.removed, "restored": report.restored,
+                          "leftovers": [item.to_json() for item in report.leftovers]}, indent=2))  # fmt: skip
         return
     print(f"{'DIGEST':<18}{'AGE':>8}  {'BYTES':>12}  KEPT BECAUSE")
     for entry in report.entries:
@@ -236,9 +237,14 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerPr
         if entry.digest in report.restored:
             why = "needed again meanwhile: kept"
         print(f"{entry.digest[:16]:<18}{entry.age_s / 86400:>7.1f}d  {entry.bytes:>12}  {why}")
+    for item in report.leftovers:
+        done = "would remove" if args.dry_run else "removed"
+        print(f"{'(staging)':<18}{item.age_s / 86400:>7.1f}d  {item.bytes:>12}  {done}: {item.path}")
     freed = sum(e.bytes for e in removable if e.digest in report.removed)
+    freed += 0 if args.dry_run else sum(item.bytes for item in report.leftovers)
     verb = f"would remove {len(removable)}" if args.dry_run else f"removed {len(report.removed)}"
-    print(f"\n{verb} of {len(report.entries)} store entries ({freed} bytes freed)")
+    staged = f", and {len(report.leftovers)} killed publishes' staging" if report.leftovers else ""
+    print(f"\n{verb} of {len(report.entries)} store entries{staged} ({freed} bytes freed)")
 
 
 async def _live_listings(settings: Settings) -> dict[str, dict[str, str]]:

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from gateway.adapters import gc
 from gateway.adapters.gc_trash import TRASH_PREFIX
 from gateway.adapters.publish import publish_adapter
-from gateway.adapters.store import AdapterStore
+from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
 from gateway.core.errors import VersionNotFound
 from gateway.serving import free_port
 from gateway.table.epoch_table import EpochTable
@@ -158,6 +158,30 @@ async def test_gc_keeps_what_is_needed_and_removes_the_rest(
     assert {r.digest for r in await read_versions(table, "a")} == set(a) - {a[0], a[3]}
     with pytest.raises(VersionNotFound):  # its record went with its bytes: no rollback to a hole
         await table.rollback("a", a[0], "base")
+
+
+async def test_gc_removes_what_a_killed_publish_left_once_it_is_old(
+    table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    kept = await publish_adapter(table, store, "a", make_adapter(b"1"), "base")
+    killed, under_way = store.root / f"{INCOMING_PREFIX}killed", store.root / f"{INCOMING_PREFIX}now"
+    for staging in (killed, under_way):
+        (staging / "sub").mkdir(parents=True)
+        (staging / "sub" / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    old = time.time() - 3 * DAY
+    for path in (killed / "sub" / "adapter_model.safetensors", killed / "sub", killed):
+        os.utime(path, (old, old))
+    policy = gc.Policy(keep_last=1, retention_s=DAY)
+
+    dry = await gc.sweep(table, store, policy, dry_run=True)
+    assert [(item.path, item.bytes) for item in dry.leftovers] == [(str(killed), 100)]
+    assert killed.is_dir(), "a dry run removes nothing"
+    done = await gc.sweep(table, store, policy)
+    assert [item.path for item in done.leftovers] == [str(killed)]
+    assert not killed.exists()
+    assert under_way.is_dir(), "a publish under way writes its staging now: young, kept"
+    assert store.path_for(kept.digest).is_dir()
 
 
 async def test_forgetting_the_current_version_is_refused(

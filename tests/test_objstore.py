@@ -20,7 +20,7 @@ from obstore.store import S3Store
 
 from gateway.adapters import gc
 from gateway.adapters.manifest import parse
-from gateway.adapters.objstore import PART_BYTES, ObjectStore, open_client
+from gateway.adapters.objstore import INCOMING, PART_BYTES, ObjectStore, open_client
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
@@ -132,6 +132,27 @@ async def test_publish_rollback_and_gc_on_the_object_store(
     assert not store.contains(v2.digest)
     assert not [k for k in keys(store) if k.startswith(v2.digest)], "no object of v2 is left"
     assert v2.digest not in {r.digest for r in await read_versions(table, "tenant-42")}
+
+
+async def test_gc_removes_a_killed_publishs_staged_upload_once_it_is_old(
+    table: EpochTable, s3_url: str, make_adapter: MakeAdapter
+) -> None:
+    store = ObjectStore(s3_url)
+    kept = await publish_adapter(table, store, "a", make_adapter(b"1"), "base")
+    staged = f"{INCOMING}{'0' * 16}"  # what a publish killed mid-upload leaves (its finally never ran)
+    obstore.put(store.client, staged, b"x" * 1000)
+    policy = gc.Policy(keep_last=1, retention_s=DAY)
+    young = await gc.sweep(table, store, policy)
+    assert young.leftovers == [], "just written: it may be a publish under way"
+    assert staged in keys(store)
+    later = 10 * DAY + time.time()
+    dry = await gc.sweep(table, store, policy, dry_run=True, now=later)
+    assert [(item.path, item.bytes) for item in dry.leftovers] == [(staged, 1000)]
+    assert staged in keys(store)
+    done = await gc.sweep(table, store, policy, now=later)
+    assert [item.path for item in done.leftovers] == [staged]
+    assert staged not in keys(store)
+    assert store.contains(kept.digest)
 
 
 async def test_gc_keeps_what_a_publish_touched(

@@ -25,6 +25,9 @@ Removal is safe against a concurrent publish, which writes the store first and t
    that ran before was refused there (the directory is put back), one after finds no such version;
 4. only then is the renamed directory deleted.
 
+It also removes what publishes killed half way left (their staging, older than the retention period:
+``adapters.gc_leftovers``).
+
 What remains is a publish that found the directory more than the retention period before it writes the
 table: keep the retention far above how long a publish takes (seconds). In an object store the files
 are shared with a fresh copy, so they are deleted only while no manifest is back; a publish that writes
@@ -42,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.adapters.gc_leftovers import Leftover, leftovers, remove
 from gateway.adapters.gc_trash import Trash, listed
 from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import AdapterStore
@@ -79,6 +83,7 @@ class Report:
     entries: list[Entry]
     removed: list[str] = field(default_factory=list)
     restored: list[str] = field(default_factory=list)  # found needed again after the rename: put back
+    leftovers: list[Leftover] = field(default_factory=list)  # killed publishes' staging: removed too
 
 
 async def collect(
@@ -115,8 +120,11 @@ async def sweep(
     them renamed away, one second read, then each one put back or forgotten and deleted."""
     listings = {} if listings is None else listings
     report = Report(await collect(table, store, policy, listings, now=now))
+    report.leftovers = leftovers(store, policy.retention_s, time.time() if now is None else now)
     if dry_run:
         return report
+    for leftover in report.leftovers:
+        remove(store, leftover)
     trash = Trash(store)
     for entry in report.entries:
         if not entry.kept_because:
