@@ -85,6 +85,10 @@ GOOD = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
         {"type": "BlockStored", "block_hashes": ["x"], "token_ids": [1], "block_size": 1},
         {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1, "extra_keys": [1]},
         {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1, "lora_name": 3},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1 << 63], "block_size": 1},  # over int64
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [(1 << 64) - 1], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [-1], "block_size": 1},
+        ["BlockStored", [1], None, [1 << 63], 1],
         {"type": "BlockRemoved", "block_hashes": None},
         {"type": 3},
         ["BlockRemoved", [1], "GPU", 0, None, None, "one too many"],

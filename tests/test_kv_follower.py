@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -154,6 +155,29 @@ async def test_captured_events_reach_the_index_and_a_bad_message_is_skipped() ->
         await eventually(lambda: f.index.blocks(URL) == 3, "the view holds what seq 4 stored")
         assert holds(f, 0)
         assert f.count("kvgate_kv_event_replays_total", outcome="no-replay-endpoint") == 1
+
+
+async def test_a_token_id_over_64_bits_is_one_malformed_event_and_the_stream_goes_on() -> None:
+    """A BlockStored whose token id is 2^63 (msgpack carries up to 2^64 - 1) is skipped and counted, with
+    the good event beside it applied; the view is kept and the next batch is applied too."""
+    frames = captured("map_frames.json")
+    bad = {"type": "BlockStored", "block_hashes": [99], "parent_block_hash": None,
+           "token_ids": [1 << 63, 7], "block_size": 2}  # fmt: skip
+    good = {"type": "BlockStored", "block_hashes": [98], "parent_block_hash": None,
+            "token_ids": [5, 7], "block_size": 2}  # fmt: skip
+    async with following() as f:
+        for message in frames[:3]:
+            await f.publisher.send(message)
+        await eventually(lambda: holds(f, 3), "learned")
+        await f.publisher.send([b"kv", (3).to_bytes(8, "big"), msgpack.packb([1.5, [bad, good], 0])])
+        await eventually(lambda: f.count("kvgate_kv_events_malformed_total") == 1, "the event is counted")
+        assert f.count("kvgate_kv_events_total", kind="BlockStored") == 4, "its neighbour is applied"
+        await f.publisher.send(frames[4])  # seq 4: the stream goes on, no gap, no reset
+        await eventually(lambda: f.count("kvgate_kv_events_total", kind="BlockStored") == 5, "seq 4")
+        assert f.count("kvgate_kv_view_resets_total", reason="stream lost") == 0
+        assert f.count("kvgate_kv_event_gaps_total") == 0
+        assert f.follower.health()["following"] is True
+        assert "last_error" not in f.follower.health()
 
 
 async def test_a_gap_is_repaired_through_the_replay_socket() -> None:
