@@ -67,6 +67,42 @@ def test_endpoints_from_the_captured_sources_answer() -> None:
         parse_endpoint_setting("http://r:8000")
 
 
+def sources_answer(endpoint: str, replay: str | None = None) -> dict[str, object]:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    return {"0": config if replay is None else {**config, "replay_endpoint": replay}}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "replay"),
+    [
+        ("tcp://169.254.169.254:80", None),  # another host (a cloud's metadata service)
+        ("tcp://10.0.0.6:18411", None),
+        ("ipc:///run/kvgate/admin.sock", None),  # a path on kvgate's own host
+        ("inproc://x", None),
+        ("tcp://eth0;10.0.0.5:18411", None),  # ZMQ's source-address form
+        ("tcp://*:notaport", None),
+        ("tcp://*:18411", "tcp://169.254.169.254:80"),  # the replay socket elsewhere
+        ("tcp://*:18411", "ipc:///tmp/replay"),
+    ],
+)
+def test_an_event_source_off_the_replicas_own_host_is_refused(endpoint: str, replay: str | None) -> None:
+    with pytest.raises(
+        MalformedEvent, match=r"only tcp:// on the replica's own host \(10.0.0.5\) is followed"
+    ):
+        endpoints_from_sources(sources_answer(endpoint, replay), "http://10.0.0.5:8000")
+
+
+def test_an_event_source_on_the_replicas_own_host_is_followed() -> None:
+    own = endpoints_from_sources(
+        sources_answer("tcp://10.0.0.5:1", "tcp://0.0.0.0:2"), "http://10.0.0.5:8000"
+    )
+    assert own == Endpoints("tcp://10.0.0.5:1", "tcp://10.0.0.5:2", "kv")
+    v6 = endpoints_from_sources(sources_answer("tcp://*:1", "tcp://[::1]:2"), "http://[::1]:8000")
+    assert v6 == Endpoints("tcp://[::1]:1", "tcp://[::1]:2", "kv")
+    named = endpoints_from_sources(sources_answer("tcp://Replica-0:1"), "http://replica-0:8000")
+    assert named == Endpoints("tcp://replica-0:1", None, "kv")
+
+
 @dataclass
 class Publisher:
     socket: zmq.asyncio.Socket
@@ -257,6 +293,48 @@ async def test_a_replica_without_event_sources_is_retried_until_it_has_them() ->
             health = follower.health()
             assert (health["following"], health["blocks"], "last_error" in health) == (True, 3, False)
             assert isinstance(health["last_batch_s_ago"], float)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            context.term()
+
+
+@pytest.mark.parametrize("where", ["another-host", "ipc"])
+async def test_a_replica_that_names_a_publisher_elsewhere_is_never_followed_there(
+    where: str, tmp_path: Path
+) -> None:
+    """The replica (127.0.0.1) names a live publisher on 127.0.0.2, or an ``ipc://`` path on kvgate's
+    host: the follower refuses it with a clear ``last_error``, retries, and never subscribes there."""
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.2:{free_port()}" if where == "another-host" else f"ipc://{tmp_path}/pub"
+    pub.bind(endpoint)
+
+    async def sources(request: web.Request) -> web.Response:
+        return web.json_response(sources_answer(endpoint))
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", sources)
+    metrics = Metrics()
+    async with running(app) as url, aiohttp.ClientSession() as session:
+        follower = KvFollower(Replica(url), PreciseIndex(100), session, metrics, context)
+        task = asyncio.create_task(follower.run())
+
+        def errors() -> float:
+            labels = {"replica": url}
+            return metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", labels) or 0.0
+
+        try:
+            await eventually(lambda: errors() >= 2, "refused, and refused again on the retry", within=15)
+            health = follower.health()
+            assert health["following"] is False
+            assert "only tcp:// on the replica's own host (127.0.0.1) is followed" in str(
+                health["last_error"]
+            )
+            assert str(health["last_error"]).startswith(f"MalformedEvent: refused {endpoint[:60]!r}")
+            assert not await pub.poll(100), "nothing ever subscribed to the publisher it named"
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -1,8 +1,9 @@
 """Follow each replica's KV cache events (vLLM ``--kv-events-config``, ZMQ + msgpack) into the precise index.
 
 One ``KvFollower`` per replica, each a plain ``run()`` loop: it finds the replica's publisher from
-``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the replica's own host; an explicit
-endpoint in the settings overrides it), subscribes, and applies each batch to that replica's view
+``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the replica's own host; an endpoint
+on any other host, or not ``tcp://``, is refused and never connected; an explicit endpoint in the settings
+overrides it and may be anywhere), subscribes, and applies each batch to that replica's view
 (``core.kv_index``). Messages are decoded one at a time at the boundary (``core.kv_events``): a malformed
 one is counted and skipped. Sequence numbers are checked: a gap is repaired through vLLM's replay socket
 when there is one, else the replica's view is emptied and re-learned from what follows; a sequence that
@@ -59,7 +60,9 @@ class Endpoints:
 
 def endpoints_from_sources(sources: object, replica_url: str) -> Endpoints:
     """The publisher of data-parallel rank 0 from vLLM's ``/kv_event_sources`` answer, with a wildcard
-    host replaced by the replica's own."""
+    host replaced by the replica's own. Only a ``tcp://`` endpoint on the replica's own host is
+    followed: any other (another host, an ``ipc://`` path on kvgate's host) is a ``MalformedEvent``,
+    never connected; ``kv_event_endpoints`` names a publisher elsewhere."""
     if not isinstance(sources, dict) or not sources:
         raise MalformedEvent(f"{SOURCES_PATH} answered no event sources")
     config = sources.get("0", next(iter(sources.values())))
@@ -78,13 +81,21 @@ def endpoints_from_sources(sources: object, replica_url: str) -> Endpoints:
 
 
 def _own_host(endpoint: str, host: str) -> str:
+    """``tcp://ADDRESS:PORT`` with ADDRESS the replica's host or a wildcard (made the replica's host)."""
     scheme, sep, rest = endpoint.partition("://")
-    if scheme != "tcp" or not sep:
-        return endpoint
     address, _, port = rest.rpartition(":")
     if address in ("*", "0.0.0.0", "[::]", "::"):
-        address = f"[{host}]" if ":" in host else host
-    return f"tcp://{address}:{port}"
+        address = host
+    if scheme != "tcp" or not sep or address.strip("[]").lower() != host.lower() or not _is_port(port):
+        raise MalformedEvent(
+            f"refused {endpoint[:60]!r} from {SOURCES_PATH}: only tcp:// on the replica's own host "
+            f"({host}) is followed, or an endpoint set in kv_event_endpoints"
+        )
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
 
 
 def parse_endpoint_setting(entry: str) -> tuple[str, Endpoints]:
