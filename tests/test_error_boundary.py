@@ -7,21 +7,31 @@ import logging
 from pathlib import Path
 
 import aiohttp
+import openai
 import pytest
+import zmq
+import zmq.asyncio
 from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
+from gateway.app import build_app
+from gateway.config import Settings
 from gateway.core.errors import InvalidAdapter
 from gateway.core.identity import check_digest, check_logical_id, versioned_name
 from gateway.request.proxy import Proxy
+from gateway.serving import free_port, running
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import MakeAdapter
+from gateway.telemetry.metrics import Metrics
+from tests.conftest import MakeAdapter, eventually
 from tests.edge import ADMIN_TOKEN, assert_openai_error, http_request, kvgate, raw_request
 from tests.serve_modes import (
     IN_PROCESS_ONLY,
     serve_shape,  # noqa: F401  (autouse: every test here runs in both shapes)
 )
+from tests.stub_backend import StubState, build_stub
+from tests.test_kv_follower import captured
+from tests.test_tokens import model_dir  # noqa: F401  (a small real tokenizer for precise routing)
 
 
 async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
@@ -215,3 +225,59 @@ async def test_a_body_that_is_not_what_its_content_encoding_says_is_a_400(
     error = assert_openai_error(answer.headers["content-type"], answer.body, answer.status)
     assert (answer.status, error["type"]) == (400, "invalid_request_error")
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+
+
+@IN_PROCESS_ONLY  # one real publisher feeds the in-process kvgate's follower
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_of_token_ids_out_of_range_is_a_400(
+    redis: Redis,
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+) -> None:
+    """Precise routing on (two replicas, the tokenizer, one replica's view learned from a real ZMQ
+    publisher): a completion prompt of token ids with one of 2^63 or -1 in a full block is a 400 naming
+    ``prompt``, streaming or not, and reaches no replica; chat (kvgate tokenizes its text) still serves."""
+    caplog.set_level(logging.INFO)
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.XPUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher.bind(endpoint)
+    states, metrics = (StubState(), StubState()), Metrics()
+    try:
+        async with running(build_stub(states[0])) as url_a, running(build_stub(states[1])) as url_b:
+            settings = Settings(replicas=[url_a, url_b], store=tmp_path / "store", admin_token=ADMIN_TOKEN,
+                                reconcile_interval=0.1, poll_interval=0.1, kv_events=True,
+                                tokenizer=model_dir, kv_event_endpoints=[f"{url_a}={endpoint}"])  # fmt: skip
+            async with (
+                running(build_app(settings, redis, metrics=metrics)) as url,
+                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+            ):
+                assert await publisher.poll(20_000), "the follower subscribed"
+                await publisher.recv()
+                await publisher.send_multipart(captured("map_frames.json")[0])  # blocks of 128 tokens
+                stored = {"replica": url_a, "kind": "BlockStored"}
+                await eventually(
+                    lambda: metrics.registry.get_sample_value("kvgate_kv_events_total", stored) == 1,
+                    "replica a's view holds blocks (its block size is known)",
+                )
+                for prompt in ([7] * 127 + [1 << 63], [[7] * 128, [-1] * 128]):
+                    with pytest.raises(openai.BadRequestError) as refused:
+                        await api.completions.create(model="base", prompt=prompt, max_tokens=1, stream=stream)
+                    error = refused.value.body
+                    assert isinstance(error, dict)
+                    assert error["param"] == "prompt"
+                    assert "out of range" in error["message"]
+                chat = await api.chat.completions.create(
+                    model="base", messages=[{"role": "user", "content": "the lazy dog"}], max_tokens=1,
+                    stream=stream,
+                )  # fmt: skip
+                if stream:
+                    assert [chunk async for chunk in chat]  # type: ignore[union-attr]
+        assert [len(s.received) for s in states] == [0, 1] or [len(s.received) for s in states] == [1, 0]
+        assert [r.getMessage() for r in caplog.records if r.exc_info] == [], "no traceback"
+    finally:
+        publisher.close()
+        context.term()

@@ -15,7 +15,10 @@ need rewriting: one limit for every request (checked by serializing only a body 
 ``stream`` is read the way vLLM's request models read it (``stream: bool | None``, pydantic's lax mode):
 ``"true"``, ``1`` or ``"yes"`` stream, ``null`` does not, and what vLLM would refuse is a 400 here.
 Integers beyond 64 bits are read as floats (orjson's rule), and forwarded as sent (as floats where the
-body is serialized); vLLM refuses such values in every integer field anyway.
+body is serialized); vLLM refuses such values in every integer field anyway. A ``prompt`` given as token
+ids (vLLM's ``list[int]`` or ``list[list[int]]``) is checked here: an id that is negative or 2^63 or more
+is a 400 (vLLM refuses it as out of vocabulary too, but kvgate keys a prompt's tokens as 64-bit ints
+before any replica sees it: ``core.kv_index``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
+from gateway.core.kv_events import TOKEN_ID_END, is_token_id
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``
@@ -68,12 +72,27 @@ def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = 
     elif not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
     stream = stream_flag(doc.get("stream"))
+    check_token_ids(doc.get("prompt"))
     skip = _OWNED | owned
     if raw.count(b"{") + raw.count(b"[") >= _NESTING_SAFE:  # maybe that deep: the one limit for every body
         _without(doc, skip)
     namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
     owned_sent = namespaced or any(key in doc for key in owned)
     return Body(doc, model, stream, namespaced, raw, skip, owned_sent)
+
+
+def check_token_ids(prompt: object) -> None:
+    """A ``BadRequest`` when ``prompt`` holds token ids (ints, in a list or in lists in a list) that are
+    not ids: negative, or beyond what kvgate keys (2^63 and more)."""
+    if not isinstance(prompt, list):
+        return
+    for item in prompt:
+        for value in item if isinstance(item, list) else (item,):
+            if type(value) is int and not is_token_id(value):
+                raise BadRequest(
+                    f"prompt: token id {value} is out of range (token ids are 0 to {TOKEN_ID_END - 1})",
+                    param="prompt",
+                )
 
 
 def _without(doc: dict[str, Any], skip: frozenset[str]) -> bytes:
