@@ -108,12 +108,13 @@ async def cmd_versions(args: argparse.Namespace, settings: Settings, tracing: Tr
 
 async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
     logical_id = check_logical_id(args.logical_id)
+    malformed: list[str] = []
     async with open_table(settings, tracing) as table:
-        events = await table.read_history(logical_id)
-    if not events:
+        events = await table.read_history(logical_id, malformed)
+    if not events and not malformed:
         raise ModelNotFound(f"logical ID {logical_id!r} has no history", param="logical_id")
     if args.json:
-        print(json.dumps({"logical_id": logical_id, "history": events}, indent=2))
+        print(json.dumps({"logical_id": logical_id, "history": events, "malformed": malformed}, indent=2))
         return
     print(f"{'AT (UTC)':<21}{'EPOCH':>5}  {'ACTION':<10}{'DIGEST':<18}BASE")
     for e in events:
@@ -127,6 +128,15 @@ async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: Tra
             f"{at:<21}{e.get('epoch', ''):>5}  {e.get('action', ''):<10}{digest:<18}{e.get('base', '')}"
             + extra
         )
+    _print_skipped(malformed)
+
+
+def _print_skipped(malformed: list[str]) -> None:
+    """``history`` and ``gc`` name the entries they skipped (written by hand: not what kvgate writes)."""
+    if malformed:
+        print(f"\nskipped {len(malformed)} malformed history entries (not what kvgate writes):")
+    for reason in malformed:
+        print(f"  {reason}")
 
 
 def _holds(root: str | None, path: str, digest: str) -> bool:
@@ -229,7 +239,8 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerPr
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "entries": [e.to_json() for e in report.entries],
                           "removed": report.removed, "restored": report.restored,
-                          "leftovers": [item.to_json() for item in report.leftovers]}, indent=2))  # fmt: skip
+                          "leftovers": [item.to_json() for item in report.leftovers],
+                          "malformed_history": report.malformed_history}, indent=2))  # fmt: skip
         return
     print(f"{'DIGEST':<18}{'AGE':>8}  {'BYTES':>12}  KEPT BECAUSE")
     for entry in report.entries:
@@ -245,6 +256,7 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings, tracing: TracerPr
     verb = f"would remove {len(removable)}" if args.dry_run else f"removed {len(report.removed)}"
     staged = f", and {len(report.leftovers)} killed publishes' staging" if report.leftovers else ""
     print(f"\n{verb} of {len(report.entries)} store entries{staged} ({freed} bytes freed)")
+    _print_skipped(report.malformed_history)
 
 
 async def _live_listings(settings: Settings) -> dict[str, dict[str, str]]:

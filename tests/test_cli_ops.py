@@ -22,6 +22,7 @@ from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
 from gateway.core.errors import VersionNotFound
 from gateway.serving import free_port
+from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version, read_versions
 from gateway.table.redis_server import EmbeddedRedis
@@ -88,6 +89,50 @@ async def test_versions_and_history(
     missing = kvgate("history", "nobody", redis_url=url, store=store.root)
     assert missing.returncode == 2
     assert "no history" in missing.stderr
+
+
+MALFORMED_HISTORY = [
+    b"{not json",
+    b'"a string"',
+    b"\xff\xfe",  # not UTF-8
+    b'{"action": 3}',
+    b'{"action": "publish", "at_ms": "x"}',
+    b'{"action": "publish", "at_ms": 1e20}',  # no date
+    b'{"action": "rollout", "role": "candidate", "weight": "50%"}',
+]
+
+
+async def test_history_and_gc_skip_and_count_a_malformed_history_entry(
+    redis: Redis, redis_server: EmbeddedRedis, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    """Entries written by hand (``LPUSH``) among the scripts' own: ``history`` and ``gc`` read the rest,
+    exit 0 and name each skipped entry (the ID and its position, 0 the newest)."""
+    store = AdapterStore(tmp_path / "store")
+    table = EpochTable(redis)
+    v1 = await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
+    await redis.lpush(keys.history("tenant-42"), *MALFORMED_HISTORY[:4])
+    v2 = await publish_adapter(table, store, "tenant-42", make_adapter(b"v2"), "base")
+    await redis.lpush(keys.history("tenant-42"), *MALFORMED_HISTORY[4:])
+    url = redis_server.url
+
+    history = ok_json("history", "tenant-42", redis_url=url, store=store.root)
+    assert [(e["action"], e["digest"]) for e in history["history"]] == [
+        ("publish", v2.digest), ("publish", v1.digest)
+    ]  # fmt: skip
+    assert len(history["malformed"]) == len(MALFORMED_HISTORY)
+    assert history["malformed"][0] == "history of 'tenant-42', entry 0: weight is not a number"
+    assert "entry 5: not UTF-8 JSON" in history["malformed"][4]
+    text = kvgate("history", "tenant-42", redis_url=url, store=store.root)
+    assert (text.returncode, text.stderr) == (0, "")
+    assert "skipped 7 malformed history entries" in text.stdout
+    assert "  history of 'tenant-42', entry 1: at_ms 1e+20 is not a time" in text.stdout.splitlines()
+
+    swept = ok_json("gc", "--dry-run", redis_url=url, store=store.root)
+    assert swept["malformed_history"] == history["malformed"]
+    assert {e["digest"] for e in swept["entries"]} == {v1.digest, v2.digest}
+    text = kvgate("gc", "--dry-run", redis_url=url, store=store.root)
+    assert (text.returncode, text.stderr) == (0, "")
+    assert "skipped 7 malformed history entries" in text.stdout
 
 
 async def test_status_matrix_marks_a_replica_holding_another_version(

@@ -6,7 +6,8 @@ of these holds, and removed otherwise:
 - ``current``: it is some logical ID's current version;
 - ``candidate``: it is some logical ID's rollout candidate (``kvgate rollout``);
 - ``recent``: it is among some logical ID's last ``keep_last`` published versions;
-- ``was-current``: some logical ID had it current within the retention period (its history);
+- ``was-current``: some logical ID had it current within the retention period (its history; an entry
+  that is not one, written by hand, is skipped and counted in ``Report.malformed_history``);
 - ``loaded``: a replica lists it (the listings kvgates record in Redis, and any live listing given);
 - ``young``: it was written, or published again, within the retention period (the directory's mtime:
   ``AdapterStore.ingest`` touches an existing directory when it publishes the same bytes again).
@@ -84,6 +85,7 @@ class Report:
     removed: list[str] = field(default_factory=list)
     restored: list[str] = field(default_factory=list)  # found needed again after the rename: put back
     leftovers: list[Leftover] = field(default_factory=list)  # killed publishes' staging: removed too
+    malformed_history: list[str] = field(default_factory=list)  # history entries skipped, and why
 
 
 async def collect(
@@ -93,10 +95,12 @@ async def collect(
     listings: Listings | None = None,
     *,
     now: float | None = None,
+    malformed: list[str] | None = None,
 ) -> list[Entry]:
-    """Every store directory with the reasons it is kept (none: removable), oldest first."""
+    """Every store directory with the reasons it is kept (none: removable), oldest first; why each history
+    entry that is not one was skipped goes into ``malformed``."""
     now = time.time() if now is None else now
-    needed = await _needed(table, policy, {} if listings is None else listings, now)
+    needed = await _needed(table, policy, {} if listings is None else listings, now, malformed)
     entries = []
     for item in listed(store, _DIGEST.fullmatch):
         age = now - item.modified
@@ -119,7 +123,9 @@ async def sweep(
     """``collect``, then remove the removable directories (unless ``dry_run``) by the steps above: all of
     them renamed away, one second read, then each one put back or forgotten and deleted."""
     listings = {} if listings is None else listings
-    report = Report(await collect(table, store, policy, listings, now=now))
+    malformed: list[str] = []
+    report = Report(await collect(table, store, policy, listings, now=now, malformed=malformed))
+    report.malformed_history = malformed
     report.leftovers = leftovers(store, policy.retention_s, time.time() if now is None else now)
     if dry_run:
         return report
@@ -165,7 +171,9 @@ async def _still_removable(
     return True
 
 
-async def _needed(table: EpochTable, policy: Policy, listings: Listings, now: float) -> dict[str, set[str]]:
+async def _needed(
+    table: EpochTable, policy: Policy, listings: Listings, now: float, malformed: list[str] | None = None
+) -> dict[str, set[str]]:
     """digest (or a listed name's digest prefix, 16+ hex) -> why it is needed."""
     needed: dict[str, set[str]] = {}
 
@@ -182,7 +190,7 @@ async def _needed(table: EpochTable, policy: Policy, listings: Listings, now: fl
         for record in (await read_versions(table, logical_id))[: policy.keep_last]:
             need(record.digest, "recent")
         newer_at: float = float("inf")  # the history is newest first: each event's digest was current until
-        for event in await table.read_history(logical_id):  # the next newer event
+        for event in await table.read_history(logical_id, malformed):  # the next newer event
             if event.get("role") == "candidate":  # a rollout's event: that version was not current
                 continue
             if newer_at > since_ms:

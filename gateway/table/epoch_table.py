@@ -36,7 +36,7 @@ from gateway.core.errors import (
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.table.connection import RedisClient, write_acked
-from gateway.table.rows import parse_state
+from gateway.table.rows import parse_history_event, parse_state
 from gateway.table.scripts import assemble_script, codes, operation_names
 from gateway.telemetry import tracing as attr
 
@@ -262,9 +262,17 @@ class EpochTable:
             if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
                 return TableView(generation, states, malformed)
 
-    async def read_history(self, logical_id: str) -> list[dict[str, Any]]:
-        raw = await self.redis.lrange(keys.history(logical_id), 0, -1)
-        return [json.loads(item) for item in raw]
+    async def read_history(self, logical_id: str, malformed: list[str] | None = None) -> list[dict[str, Any]]:
+        """The ID's history, newest first, parsed one entry at a time: an entry that is not one is left
+        out, and why is added to ``malformed`` (when given: ``kvgate history`` and ``gc`` say so)."""
+        events = []
+        for position, item in enumerate(await self.redis.lrange(keys.history(logical_id), 0, -1)):
+            try:
+                events.append(parse_history_event(logical_id, position, item))
+            except MalformedRow as exc:
+                if malformed is not None:
+                    malformed.append(exc.reason)
+        return events
 
     async def read_loaded(self) -> dict[str, dict[str, str]]:
         replicas = sorted(_text(r, "replace") for r in await self.redis.smembers(keys.REPLICAS))

@@ -1,5 +1,6 @@
 """A state hash as the scripts write it, read back: ``parse_state`` (the snapshot, the change log, a full
-read) and ``row_hash`` (what the table's check sums; lua/lib/common.lua's ``row_hash`` computes the same).
+read) and ``row_hash`` (what the table's check sums; lua/lib/common.lua's ``row_hash`` computes the same);
+a history entry (lua/lib/common.lua's ``append_event``), one at a time: ``parse_history_event``.
 
 A rollout's candidate sits in the same hash (``cand_*`` fields, all or none: lua/rollout_version.lua),
 and hashes into the row only when present, so a row without one hashes as it did before rollouts.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+from typing import Any
 
 from gateway.core.errors import MalformedRow
 from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
@@ -80,6 +83,35 @@ def _utf8(logical_id: str, name: bytes, value: bytes) -> str:
         return value.decode()
     except UnicodeDecodeError:
         raise MalformedRow(f"state of {logical_id!r}: {name.decode()!r} is not UTF-8") from None
+
+
+_HISTORY_TEXT = ("action", "digest", "base", "role", "reason")
+_HISTORY_NUMBERS = ("epoch", "weight")
+_AT_MS_END = 253_402_300_800_000  # 10000-01-01: a time past this cannot be printed as a date
+
+
+def parse_history_event(logical_id: str, position: int, raw: bytes | str) -> dict[str, Any]:
+    """One history entry (JSON ``{epoch, digest, base, action, at_ms}``, a rollout's with ``role``,
+    ``weight`` and ``reason``; whatever else a newer kvgate adds is kept), or ``MalformedRow`` naming the
+    ID and the entry's position (0: the newest) when it is not one: not UTF-8 JSON, not an object, a
+    known field of another type, a time that is no date."""
+    where = f"history of {logical_id!r}, entry {position}"
+    try:
+        event = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise MalformedRow(f"{where}: not UTF-8 JSON") from None
+    if not isinstance(event, dict):
+        raise MalformedRow(f"{where}: not a JSON object")
+    for name in _HISTORY_TEXT:
+        if not isinstance(event.get(name, ""), str):
+            raise MalformedRow(f"{where}: {name} is not a string")
+    for name in (*_HISTORY_NUMBERS, "at_ms"):
+        value = event.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise MalformedRow(f"{where}: {name} is not a number")
+    if not 0 <= event.get("at_ms", 0) < _AT_MS_END:
+        raise MalformedRow(f"{where}: at_ms {event['at_ms']} is not a time")
+    return event
 
 
 def row_hash(state: VersionState) -> int:
