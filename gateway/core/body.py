@@ -83,11 +83,20 @@ def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = 
 
 def check_token_ids(prompt: object) -> None:
     """A ``BadRequest`` when ``prompt`` holds token ids (ints, in a list or in lists in a list) that are
-    not ids: negative, or beyond what kvgate keys (2^63 and more)."""
+    not ids: negative, or beyond what kvgate keys (2^63 and more). A list of numbers is bounded by
+    ``min`` and ``max`` (C speed: a 4 MiB prompt is a million ids); only one out of bounds is walked."""
     if not isinstance(prompt, list):
         return
-    for item in prompt:
-        for value in item if isinstance(item, list) else (item,):
+    rows = prompt if any(isinstance(item, list) for item in prompt[:1]) else [prompt]
+    for row in rows:
+        if not isinstance(row, list) or not row:
+            continue
+        try:
+            if min(row) >= 0 and max(row) < TOKEN_ID_END:
+                continue
+        except TypeError:  # not all numbers: walk it
+            pass
+        for value in row:
             if type(value) is int and not is_token_id(value):
                 raise BadRequest(
                     f"prompt: token id {value} is out of range (token ids are 0 to {TOKEN_ID_END - 1})",
