@@ -44,15 +44,20 @@ local function odd_type(key, want)
   return nil
 end
 
--- Why one of PAIRS ({key, type}, ...) is odd (odd_type), or nil.
-local function odd_types(pairs_)
-  for _, pair in ipairs(pairs_) do
-    local why = odd_type(pair[1], pair[2])
+-- The first why that ODD (odd_type, odd_arg) gives for one of ITEMS ({a, b}, ...), or nil.
+local function first_odd(odd, items)
+  for _, item in ipairs(items) do
+    local why = odd(item[1], item[2])
     if why then
       return why
     end
   end
   return nil
+end
+
+-- Why one of KINDS ({key, type}, ...) is of another type, or nil.
+local function odd_types(kinds)
+  return first_odd(odd_type, kinds)
 end
 
 -- VALUE as a number if it is an integer as Redis writes one (what HINCRBY accepts), else nil.
@@ -94,13 +99,7 @@ end
 
 -- Why one of the whole-number arguments ({index, what}, ...) is not one, or nil.
 local function odd_args(args)
-  for _, arg in ipairs(args) do
-    local why = odd_arg(arg[1], arg[2])
-    if why then
-      return why
-    end
-  end
-  return nil
+  return first_odd(odd_arg, args)
 end
 
 -- A rollout's candidate lives in the ID's state hash beside the current version, in these fields (all
