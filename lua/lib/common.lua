@@ -210,9 +210,9 @@ local SUM_LIMIT = 2 ^ 63 - 2 ^ 41  -- a sum this far inside int64 takes any row'
 local LAST_MS = '18446744073709551615'
 
 -- Why a logged change (log_change) could fail half way, or nil: one of KINDS (the script's own keys,
--- {key, type}, ...) or the change log's keys (LOG, ROWS, CHECK) of another type, CHECK's sum no count to
--- add a row to, LOG at its last possible millisecond, or one of ARGS (whole-number arguments, {index, what}, ...)
--- not a number.
+-- {key, type}, ...) or the change log's keys (LOG, ROWS, CHECK) of another type, CHECK's sum no count
+-- to add a row to, LOG at its last possible millisecond, or one of ARGS (the script's whole-number
+-- arguments, {index, what}, ...) not a number.
 local function odd_logged(kinds, log, rows, check, args)
   local all = {{log, 'stream'}, {rows, 'hash'}, {check, 'hash'}}
   for _, kind in ipairs(kinds) do
@@ -226,9 +226,9 @@ local function odd_logged(kinds, log, rows, check, args)
   if redis.call('EXISTS', log) == 1 then
     local info = redis.call('XINFO', 'STREAM', log)
     for i = 1, #info, 2 do
-      local last = info[i + 1]
-      if info[i] == 'last-generated-id' and string.sub(last, 1, string.len(LAST_MS) + 1) == LAST_MS .. '-' then
-        return log .. ' is at ' .. last .. ', its last possible millisecond: no entry can follow'
+      local value = info[i + 1]
+      if info[i] == 'last-generated-id' and string.sub(value, 1, string.len(LAST_MS) + 1) == LAST_MS .. '-' then
+        return log .. ' is at ' .. value .. ', its last possible millisecond: no entry can follow'
       end
     end
   end
