@@ -19,7 +19,13 @@ Returns {code, epoch, digest}:
   CODE.CHANGED             aborted: the candidate is dropped (logged)
   CODE.NO_CURRENT_VERSION  the logical ID has no current version
   CODE.NO_CANDIDATE        no rollout runs (or its candidate is not ARGV[5])
+  CODE.MALFORMED           refused, nothing written (lua/lib/common.lua: {code, why})
 ]]
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'list'}}, KEYS[3], KEYS[4], KEYS[5],
+  {{2, 'now (ms)'}, {3, 'log entries kept'}, {4, 'history length kept'}})
+if why then
+  return refuse(why)
+end
 local s = redis.call('HMGET', KEYS[1], 'digest', 'epoch', 'cand_digest', 'cand_base', 'cand_weight')
 if not s[1] then
   return {CODE.NO_CURRENT_VERSION, 0, ''}

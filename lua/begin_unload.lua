@@ -9,8 +9,13 @@ ARGV[1]  versioned name      ARGV[2] now (ms)      ARGV[3] claim time to live (m
 ARGV[5]  the claiming gateway's id
 
 Returns {code, live leases}: CODE.CHANGED (claimed; unload, then end_unload), CODE.LEASED (not claimed),
-CODE.UNLOADING (another gateway's unload is in progress).
+CODE.UNLOADING (another gateway's unload is in progress); {CODE.MALFORMED, why} when refused, nothing
+written (lua/lib/common.lua).
 ]]
+local why = odd_args({{2, 'now (ms)'}, {3, 'claim time to live (ms)'}}) or odd_type(KEYS[1], 'hash')
+if why then
+  return refuse(why)
+end
 local name, now, ttl, force, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1', ARGV[5]
 local claimed = stored_ms(redis.call('HGET', KEYS[1], lease_field(name, UNLOADING_MARK)))
 if claimed and claimed > now then

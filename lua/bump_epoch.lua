@@ -15,10 +15,20 @@ An operator can run it straight through Redis:
 Returns {code, epoch}:
   CODE.CHANGED             bumped (logged)
   CODE.NO_CURRENT_VERSION  the logical ID has no current version
+  CODE.MALFORMED           refused, nothing written (lua/lib/common.lua: {code, why})
 ]]
-local current = redis.call('HMGET', KEYS[1], 'digest', 'base')
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'list'}}, KEYS[3], KEYS[4], KEYS[5],
+  {{2, 'now (ms)'}, {3, 'log entries kept'}, {4, 'history length kept'}})
+if why then
+  return refuse(why)
+end
+local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch')
 if not current[1] then
   return {CODE.NO_CURRENT_VERSION, 0}
+end
+why = odd_epoch(KEYS[1], current[3])
+if why then
+  return refuse(why)
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'updated_ms', ARGV[2])

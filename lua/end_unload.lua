@@ -6,8 +6,12 @@ Needs lua/lib/common.lua prepended (kvgate does; `kvgate script end_unload` prin
 KEYS[1]  kvg:leases:{REPLICA}    KEYS[2] kvg:last-use:{REPLICA}
 ARGV[1]  versioned name          ARGV[2] unloaded (1) or failed (0): on failure only the claim goes
 
-Returns CODE.CHANGED.
+Returns CODE.CHANGED; {CODE.MALFORMED, why} when refused, nothing written (lua/lib/common.lua).
 ]]
+local why = odd_types({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}})
+if why then
+  return refuse(why)
+end
 local name, unloaded = ARGV[1], ARGV[2] == '1'
 if not unloaded then
   redis.call('HDEL', KEYS[1], lease_field(name, UNLOADING_MARK))

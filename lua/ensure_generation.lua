@@ -6,7 +6,12 @@ the old one is flushed (epochs restart, so the generation is part of every cache
 KEYS[1]  kvg:generation
 ARGV[1]  candidate generation (random hex)
 
-Returns the generation in force.
+Returns the generation in force; {CODE.MALFORMED, why} when refused, nothing written (lua/lib/common.lua,
+prepended).
 ]]
+local why = odd_type(KEYS[1], 'string')
+if why then
+  return refuse(why)
+end
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 return redis.call('GET', KEYS[1])

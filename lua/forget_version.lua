@@ -11,7 +11,12 @@ ARGV[1]  digest (64 hex)
 Returns {code, forgotten}:
   CODE.CHANGED    the records were dropped (forgotten: how many; 0 if there were none)
   CODE.CURRENT    DIGEST is the logical ID's current version or its rollout candidate: nothing dropped
+  CODE.MALFORMED  refused, nothing written (lua/lib/common.lua: {code, why})
 ]]
+local why = odd_types({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}})
+if why then
+  return refuse(why)
+end
 local digest = ARGV[1]
 local state = redis.call('HMGET', KEYS[1], 'digest', 'cand_digest')
 if state[1] == digest or state[2] == digest then

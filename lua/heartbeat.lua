@@ -17,9 +17,26 @@ KEYS[4]  kvg:{epochs}:rows         KEYS[5] kvg:{epochs}:log
 ARGV[1]  now (ms)     ARGV[2] scrub interval (ms)     ARGV[3] scrub page (IDs)     ARGV[4] log entries kept
 ARGV[5]  the state keys' prefix (kvg:{epochs}:state:, then the ID)
 
-Returns {generation ('' when there is none), sum, last ('0-0' before the first entry)}.
+Returns {generation ('' when there is none), sum, last ('0-0' before the first entry)}; {CODE.MALFORMED, why}
+when refused, nothing written (lua/lib/common.lua): a key of another type, the check's sum, last, cursor or
+rounds not what the scripts write, the log at its last possible id (a drift entry could not follow).
 ]]
-local check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms', 'sum', 'last')
+local why = odd_logged({{KEYS[1], 'string'}, {KEYS[3], 'set'}}, KEYS[5], KEYS[4], KEYS[2],
+  {{1, 'now (ms)'}, {2, 'scrub interval (ms)'}, {3, 'scrub page'}, {4, 'log entries kept'}})
+if why then
+  return refuse(why)
+end
+local check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms', 'sum', 'last', 'scrub_rounds')
+if check[1] and not (string.match(check[1], '^%d+$') and string.len(check[1]) < 20) then
+  why = KEYS[2] .. ' field scrub_cursor is ' .. string.format('%q', check[1]) .. ', not an SSCAN cursor'
+end
+if not why and check[4] and not string.match(check[4], '^%d+%-%d+$') then
+  why = KEYS[2] .. ' field last is ' .. string.format('%q', check[4]) .. ', not a stream id'
+end
+why = why or odd_count(KEYS[2], 'scrub_rounds', check[5], EXACT, '2^53')
+if why then
+  return refuse(why)
+end
 if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
   local page = redis.call('SSCAN', KEYS[3], check[1] or '0', 'COUNT', ARGV[3])
   for _, id in ipairs(page[2]) do

@@ -16,15 +16,28 @@ Returns {code, epoch, digest}:
   CODE.CHANGED             promoted: the candidate is current under a new epoch (logged)
   CODE.NO_CURRENT_VERSION  the logical ID has no current version
   CODE.NO_CANDIDATE        no rollout runs (or its candidate is not ARGV[5])
+  CODE.MALFORMED           refused, nothing written: also half a candidate (lua/lib/common.lua: {code, why})
 ]]
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'list'}}, KEYS[3], KEYS[4], KEYS[5],
+  {{2, 'now (ms)'}, {3, 'log entries kept'}, {4, 'history length kept'}})
+if why then
+  return refuse(why)
+end
 local s = redis.call('HMGET', KEYS[1], 'digest', 'cand_digest', 'cand_name', 'cand_path', 'cand_base',
-  'cand_base_print')
+  'cand_base_print', 'epoch')
 if not s[1] then
   return {CODE.NO_CURRENT_VERSION, 0, ''}
 end
 local wanted = ARGV[5] or ''
 if not s[2] or string.sub(s[2], 1, string.len(wanted)) ~= wanted then
   return {CODE.NO_CANDIDATE, 0, ''}
+end
+why = odd_epoch(KEYS[1], s[7])
+for i, field in ipairs({'cand_name', 'cand_path', 'cand_base'}) do
+  why = why or (not s[i + 2] and KEYS[1] .. ' has a candidate without ' .. field)
+end
+if why then
+  return refuse(why)
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'digest', s[2], 'name', s[3], 'path', s[4], 'base', s[5], 'base_print', s[6] or '',

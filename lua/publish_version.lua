@@ -15,11 +15,22 @@ Returns {code, epoch}:
   CODE.CHANGED    published: DIGEST for BASE is current under a new epoch (logged)
   CODE.UNCHANGED  DIGEST with the same base (and base fingerprint) was already current (no write, nothing logged)
   CODE.ROLLOUT_RUNNING  a rollout runs for the ID (lua/rollout_version.lua): promote or abort it first
+  CODE.MALFORMED  refused, nothing written: a key of another type, an epoch or checksum no number, the log at
+                  its last id (lua/lib/common.lua: {code, why})
 The version record of (BASE, DIGEST) is rewritten on every publish, so it always holds the latest one.
 ]]
 local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local base_print = ARGV[9] or ''
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}, {KEYS[3], 'list'}}, KEYS[4], KEYS[5], KEYS[6],
+  {{6, 'now (ms)'}, {7, 'log entries kept'}, {8, 'history length kept'}})
+if why then
+  return refuse(why)
+end
 local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch', 'base_print', 'cand_digest')
+why = odd_epoch(KEYS[1], current[3])
+if why then
+  return refuse(why)
+end
 if current[1] == digest and current[2] == base and (current[4] or '') == base_print then
   return {CODE.UNCHANGED, tonumber(current[3]) or 0}
 end

@@ -8,8 +8,12 @@ ARGV[1]  cursor ('0' to start)    ARGV[2] IDs a page (SSCAN COUNT)
 ARGV[3]  the state keys' prefix (kvg:{epochs}:state:, then the ID)
 
 Returns {next cursor ('0': the last page), JSON [ [ID, {field: value}], ... ]} (IDs without a state hash
-are left out; SSCAN may return an ID on two pages).
+are left out; SSCAN may return an ID on two pages); {CODE.MALFORMED, why} when refused (lua/lib/common.lua).
 ]]
+local why = odd_args({{1, 'cursor'}, {2, 'IDs a page'}}) or odd_type(KEYS[1], 'set')
+if why then
+  return refuse(why)
+end
 local page = redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
 local rows = {}
 for _, id in ipairs(page[2]) do

@@ -10,7 +10,12 @@ ARGV[4]  hint channel        ARGV[5] replica hint prefix (the hint is this prefi
 Returns:
   CODE.CHANGED    the loaded set changed (a hint was published)
   CODE.UNCHANGED  only the TTL was refreshed
+  {CODE.MALFORMED, why}  refused, nothing written (lua/lib/common.lua)
 ]]
+local why = odd_arg(3, 'time to live (ms)') or odd_type(KEYS[1], 'string')
+if why then
+  return refuse(why)
+end
 local previous = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 if previous == ARGV[2] then

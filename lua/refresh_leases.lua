@@ -11,8 +11,18 @@ ARGV[4]  since (ms): when the heartbeat began; a lease of this gateway that is n
 ARGV[5]  number of names N, then N triples: versioned name, its last use here (ms), keep (1: still in
          use, the lease lives on; 0: only report the last use, the lease is let go)
 
-Returns CODE.CHANGED.
+Returns CODE.CHANGED; {CODE.MALFORMED, why} when refused, nothing written (lua/lib/common.lua).
 ]]
+local numbers = {{2, 'now (ms)'}, {3, 'lease time to live (ms)'}, {4, 'since (ms)'}, {5, 'number of names'}}
+local why = odd_args(numbers) or odd_types({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}})
+if not why then
+  for i = 1, tonumber(ARGV[5]) do
+    why = why or odd_arg(4 + 3 * i, 'last use (ms)')
+  end
+end
+if why then
+  return refuse(why)
+end
 local owner, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local since, held = tonumber(ARGV[4]), tonumber(ARGV[5])
 local keep = {}

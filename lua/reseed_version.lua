@@ -18,8 +18,14 @@ Returns {code, epoch}:
   CODE.CHANGED    re-seeded at epoch ARGV[6] (state.reseeded_epoch = it): a 'reseeded' history event
                   and a change-log entry
   CODE.UNCHANGED  the ID has a version that stays (no write, nothing logged); epoch is its epoch
+  CODE.MALFORMED  refused, nothing written (lua/lib/common.lua: {code, why})
 ]]
 local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}, {KEYS[3], 'list'}}, KEYS[4], KEYS[5], KEYS[6],
+  {{6, 'epoch'}, {7, 'now (ms)'}, {8, 'log entries kept'}, {9, 'history length kept'}})
+if why then
+  return refuse(why)
+end
 local epoch = tonumber(ARGV[6])
 local current = redis.call('HMGET', KEYS[1], 'digest', 'epoch', 'reseeded_epoch')
 if current[1] then

@@ -21,11 +21,22 @@ Returns {code, epoch, digest}:
   CODE.NO_SUCH_VERSION     no such version for BASE (never published for it, or none earlier to go back to)
   CODE.AMBIGUOUS_PREFIX    the digest prefix matches more than one version of BASE
   CODE.PREFIX_TOO_SHORT    the digest prefix is shorter than ARGV[7] (refused even if it matches)
+  CODE.MALFORMED           refused, nothing written: also a version record that is not one
+                           (lua/lib/common.lua: {code, why})
 ]]
 local id, wanted, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}, {KEYS[3], 'list'}}, KEYS[4], KEYS[5], KEYS[6],
+  {{4, 'now (ms)'}, {5, 'log entries kept'}, {6, 'history length kept'}, {7, 'shortest prefix'}})
+if why then
+  return refuse(why)
+end
 local current = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch')
 if not current[1] then
   return {CODE.NO_CURRENT_VERSION, 0, ''}
+end
+why = odd_epoch(KEYS[1], current[3])
+if why then
+  return refuse(why)
 end
 local function is_current(digest)
   return digest == current[1] and base == current[2]
@@ -60,7 +71,12 @@ end
 if is_current(target) then
   return {CODE.UNCHANGED, tonumber(current[3]) or 0, target}
 end
-local version = cjson.decode(record)
+local ok, version = pcall(cjson.decode, record)
+if not ok or type(version) ~= 'table' or type(version.name) ~= 'string' or type(version.path) ~= 'string'
+    or (version.base_print ~= nil and type(version.base_print) ~= 'string') then
+  return refuse(KEYS[2] .. ' field ' .. version_field(base, target) .. ' is not a version record (JSON with'
+    .. ' name and path)')
+end
 local candidate = redis.call('HMGET', KEYS[1], 'cand_digest', 'cand_base', 'cand_weight')
 if candidate[1] then
   drop_candidate(KEYS[1])

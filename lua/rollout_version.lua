@@ -25,11 +25,17 @@ Returns {code, epoch, weight}:
   CODE.NO_CANDIDATE          a weight change with no rollout running
   CODE.ROLLOUT_RUNNING       another candidate is rolling out: promote or abort it first
   CODE.CANDIDATE_IS_CURRENT  DIGEST for BASE is already the current version
+  CODE.MALFORMED             refused, nothing written (lua/lib/common.lua: {code, why})
 ]]
 local id, digest, name, path, base, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local base_print, weight = ARGV[9] or '', tonumber(ARGV[10])
 if not weight or weight < 0 or weight > 10000 or weight ~= math.floor(weight) then
   return redis.error_reply('weight must be a whole number of basis points, 0..10000')
+end
+local why = odd_logged({{KEYS[1], 'hash'}, {KEYS[2], 'hash'}, {KEYS[3], 'list'}}, KEYS[4], KEYS[5], KEYS[6],
+  {{6, 'now (ms)'}, {7, 'log entries kept'}, {8, 'history length kept'}})
+if why then
+  return refuse(why)
 end
 local s = redis.call('HMGET', KEYS[1], 'digest', 'base', 'epoch', 'base_print', 'cand_digest', 'cand_base',
   'cand_base_print', 'cand_weight')

@@ -75,7 +75,8 @@ def test_codes_are_written_once_in_the_lib() -> None:
     assert codes() == parse_codes(lib)
     assert set(codes()) == {"CHANGED", "UNCHANGED", "NO_CURRENT_VERSION", "NO_SUCH_VERSION",
                             "AMBIGUOUS_PREFIX", "PREFIX_TOO_SHORT", "LEASED", "UNLOADING",
-                            "CURRENT", "NO_CANDIDATE", "ROLLOUT_RUNNING", "CANDIDATE_IS_CURRENT"}  # fmt: skip
+                            "CURRENT", "NO_CANDIDATE", "ROLLOUT_RUNNING", "CANDIDATE_IS_CURRENT",
+                            "MALFORMED"}  # fmt: skip
     for path in Path(str(lua_dir())).glob("*.lua"):
         body = _operation_body(path)
         if "CODE." not in body:

@@ -14,7 +14,8 @@
     ├── VersionNotFound              404 not_found_error        (rollback to a digest never published)
     ├── RolloutConflict              409 conflict_error         (a rollout runs, none does, or it is current)
     ├── EpochTableError              500 internal_error         (a Lua script answered an unknown code)
-    │   └── MalformedRow             500 internal_error         (a row Redis holds is not what kvgate writes)
+    │   ├── MalformedRow             500 internal_error         (a row Redis holds is not what kvgate writes)
+    │   └── ScriptRefused            500 internal_error         (a script met such a row: nothing written)
     ├── UpstreamError                502 upstream_error
     │   ├── BackendUnreachable       502 upstream_error         (connect/reset before the first byte)
     │   ├── BackendTimeout           504 upstream_timeout
@@ -171,6 +172,16 @@ class MalformedRow(EpochTableError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"malformed row: {reason}")
         self.reason = reason
+
+
+class ScriptRefused(EpochTableError):
+    """A Lua script refused a change before its first write (``CODE.MALFORMED``): something it reads in
+    Redis is not what the scripts write (a key of another type, a junk number, the change log at its last
+    possible id). Nothing was written; the message names what is odd."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"refused, nothing written: Redis holds what kvgate's scripts do not write: {why}")
+        self.reason = why
 
 
 class UpstreamError(KvgateError):

@@ -31,6 +31,7 @@ from gateway.core.errors import (
     MalformedRow,
     ModelNotFound,
     RolloutConflict,
+    ScriptRefused,
     VersionNotFound,
 )
 from gateway.core.model import Change, TableView, VersionState
@@ -49,9 +50,10 @@ REDIS_DOWN = (
     OSError,
 )
 """What an unreachable Redis raises: callers that can serve from the snapshot catch exactly these."""
-REDIS_REFUSED = (redis.exceptions.ResponseError,)
+REDIS_REFUSED = (redis.exceptions.ResponseError, ScriptRefused)
 """Redis answered and refused the command: ``maxmemory`` reached ("OOM command not allowed", an
-``OutOfMemoryError``), a read-only replica, a script's error. Not an outage (reads still work, so the
+``OutOfMemoryError``), a read-only replica, a script's error, a script's refusal of what Redis holds
+(``ScriptRefused``: nothing written). Not an outage (reads still work, so the
 snapshot is never flushed for it); a loop whose step writes (the replica poll's record, the leases
 heartbeat) waits it out like an outage and writes again at its next step."""
 READ_PAGE = 1_000  # IDs per page of a full read
@@ -85,7 +87,7 @@ class EpochTable:
         }
 
     async def run(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
-        return await self.scripts[script](keys=list(keys_), args=list(args))
+        return refused(await self.scripts[script](keys=list(keys_), args=list(args)))
 
     async def run_acked(self, script: str, keys_: Sequence[str], args: Sequence[str | int]) -> Any:
         """A logged change run like publish, rollback and bump (``table.rollouts`` runs its scripts so)."""
@@ -106,6 +108,7 @@ class EpochTable:
 
     async def _acked(self, command: Sequence[str | int], key: str, what: str) -> Any:
         answer, acked = await write_acked(self.redis, key, command, self.ack_timeout)
+        refused(answer)
         if acked == 0:
             log.warning(
                 "%s: no Redis replica acknowledged it within %g s; the write stands on the master, "
@@ -282,6 +285,14 @@ class EpochTable:
             if doc is not None:
                 loaded[replica] = _loaded_doc(replica, doc)
         return loaded
+
+
+def refused(answer: Any) -> Any:
+    """ANSWER, unless it is a script's refusal ``{CODE.MALFORMED, why}`` (lua/lib/common.lua: what it reads
+    in Redis is not what the scripts write; nothing was written): then ``ScriptRefused`` naming why."""
+    if isinstance(answer, list) and len(answer) == 2 and answer[0] == codes()["MALFORMED"]:
+        raise ScriptRefused(_text(answer[1], "replace"))
+    return answer
 
 
 def raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:

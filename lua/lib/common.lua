@@ -19,7 +19,88 @@ local CODE = {
   NO_CANDIDATE = -8,       -- the logical ID has no rollout candidate (or another one than named)
   ROLLOUT_RUNNING = -9,    -- a rollout runs: another candidate (or a publish) must wait for promote or abort
   CANDIDATE_IS_CURRENT = -10, -- the rollout's bytes are already the current version
+  MALFORMED = -11,         -- refused, nothing written: what Redis holds is not what the scripts write
 }
+
+--[[
+Whole or absent. Redis does not undo a script's writes when one of its commands fails, so every script
+reads and checks, before its first write, everything that could make one of its commands fail: each key's
+type, each number it counts on (HINCRBY), the change log's last id (no XADD goes past it). What is odd (a
+direct write with redis-cli, a bug elsewhere) refuses the call: the reply is {CODE.MALFORMED, why}, whatever
+the script answers otherwise, and nothing is written (gateway/table/epoch_table.py raises ScriptRefused
+with WHY). Writes that cannot fail once these checks pass (HSET, HDEL, LPUSH, LTRIM, PUBLISH) need no order;
+a script that runs out of memory fails at its first write (Redis checks maxmemory there only).
+]]
+local function refuse(why)
+  return {CODE.MALFORMED, why}
+end
+
+-- Why KEY is not of type WANT (a key that does not exist is of every type), or nil.
+local function odd_type(key, want)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind ~= 'none' and kind ~= want then
+    return key .. ' is a ' .. kind .. ', not a ' .. want
+  end
+  return nil
+end
+
+-- The first why that ODD (odd_type, odd_arg) gives for one of ITEMS ({a, b}, ...), or nil.
+local function first_odd(odd, items)
+  for _, item in ipairs(items) do
+    local why = odd(item[1], item[2])
+    if why then
+      return why
+    end
+  end
+  return nil
+end
+
+-- Why one of KINDS ({key, type}, ...) is of another type, or nil.
+local function odd_types(kinds)
+  return first_odd(odd_type, kinds)
+end
+
+-- VALUE as a number if it is an integer as Redis writes one (what HINCRBY accepts), else nil.
+local function redis_integer(value)
+  if type(value) ~= 'string' or string.len(value) > 20 then
+    return nil
+  end
+  if value == '0' or string.match(value, '^-?[1-9]%d*$') then
+    return tonumber(value)
+  end
+  return nil
+end
+
+local EXACT = 2 ^ 53  -- Lua numbers are doubles: whole numbers below this are exact
+
+-- Why FIELD of hash KEY (VALUE as read; false: absent, counted from 0) is not a whole number (as Redis
+-- writes one) within +-LIMIT (LIMIT_TEXT: how the message says it), or nil.
+local function odd_count(key, field, value, limit, limit_text)
+  if not value then
+    return nil
+  end
+  local n = redis_integer(value)
+  if not n or math.abs(n) >= limit then
+    return key .. ' field ' .. field .. ' is ' .. string.format('%q', value) .. ', not a whole number within +-'
+      .. limit_text
+  end
+  return nil
+end
+
+-- Why VALUE (the ARGV at INDEX, WHAT it is) is not a whole number, or nil.
+local function odd_arg(index, what)
+  local value = ARGV[index]
+  if type(value) ~= 'string' or not string.match(value, '^%d+$') or string.len(value) > 15 then
+    return 'ARGV[' .. index .. '] (' .. what .. ') is ' .. string.format('%q', tostring(value))
+      .. ', not a whole number'
+  end
+  return nil
+end
+
+-- Why one of the whole-number arguments ({index, what}, ...) is not one, or nil.
+local function odd_args(args)
+  return first_odd(odd_arg, args)
+end
 
 -- A rollout's candidate lives in the ID's state hash beside the current version, in these fields (all
 -- or none): its digest, versioned name, store path, base, base fingerprint and weight (basis points of
@@ -122,6 +203,43 @@ local function row_hash(id, digest, epoch, base, name, path, base_print, cand)
   return tonumber(string.sub(redis.sha1hex(text), 1, 10), 16)
 end
 
+local ROW_LIMIT = 2 ^ 40  -- a row hash is below it
+local SUM_LIMIT = 2 ^ 63 - 2 ^ 41  -- a sum this far inside int64 takes any row's change without overflow
+-- A stream's last possible id is LAST_MS-18446744073709551615. A log whose last id is in that millisecond (a
+-- direct XADD: kvgate's ids are the clock's) is refused: a script's XADDs could run out of ids half way.
+local LAST_MS = '18446744073709551615'
+
+-- Why a logged change (log_change) could fail half way, or nil: one of KINDS (the script's own keys,
+-- {key, type}, ...) or the change log's keys (LOG, ROWS, CHECK) of another type, CHECK's sum no count
+-- to add a row to, LOG at its last possible millisecond, or one of ARGS (the script's whole-number
+-- arguments, {index, what}, ...) not a number.
+local function odd_logged(kinds, log, rows, check, args)
+  local all = {{log, 'stream'}, {rows, 'hash'}, {check, 'hash'}}
+  for _, kind in ipairs(kinds) do
+    all[#all + 1] = kind
+  end
+  local why = odd_args(args) or odd_types(all)
+    or odd_count(check, 'sum', redis.call('HGET', check, 'sum'), SUM_LIMIT, '(2^63 - 2^41)')
+  if why then
+    return why
+  end
+  if redis.call('EXISTS', log) == 1 then
+    local info = redis.call('XINFO', 'STREAM', log)
+    for i = 1, #info, 2 do
+      local value = info[i + 1]
+      if info[i] == 'last-generated-id' and string.sub(value, 1, string.len(LAST_MS) + 1) == LAST_MS .. '-' then
+        return log .. ' is at ' .. value .. ', its last possible millisecond: no entry can follow'
+      end
+    end
+  end
+  return nil
+end
+
+-- Why STATE's epoch (EPOCH as read) cannot be counted on by HINCRBY, or nil.
+local function odd_epoch(state, epoch)
+  return odd_count(state, 'epoch', epoch, EXACT, '2^53')
+end
+
 -- After a change to ID's state hash STATE: append one entry to the stream LOG (id, action, then the state
 -- as it stands now; no state fields when it is gone), trimmed to about KEEP entries, and keep ROWS (ID ->
 -- row hash) and CHECK (sum of the rows; last: the newest entry's id) in step. Returns the entry's id.
@@ -142,7 +260,10 @@ local function log_change(state, log, rows, check, id, action, keep)
     cand[i] = row[name]
   end
   local new = row_hash(id, row.digest, row.epoch, row.base, row.name, row.path, row.base_print, cand)
-  local old = tonumber(redis.call('HGET', rows, id) or '0') or 0  -- malformed: the checksum then disagrees
+  local old = stored_ms(redis.call('HGET', rows, id)) or 0  -- malformed: the checksum then disagrees
+  if old >= ROW_LIMIT then
+    old = 0
+  end
   if new == 0 then
     redis.call('HDEL', rows, id)
   else
