@@ -13,12 +13,16 @@ the one object ever rewritten), which ``kvgate gc`` reads as the version's age, 
 directory's mtime. The endpoint, region and credentials come from the usual ``AWS_*`` environment
 (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_ALLOW_HTTP``...), read by the client library, ``obstore`` (docs/object-store.md says why).
+
+Every call has a deadline (``open_client``) and every error is a ``StoreUnavailable`` naming the call that
+failed (``describe`` says how: timed out, refused). Cleaning up after a failed upload never hides it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import secrets
 import time
@@ -37,26 +41,33 @@ from gateway.adapters.store import DEFAULT_MAX_BYTES, Progress
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
 from gateway.core.identity import ManifestEntry, check_digest, scan_adapter
 
+log = logging.getLogger(__name__)
 SCHEMES = ("s3://",)
 PART_BYTES = 8 << 20  # multipart above this, in parts of this size
 _READ = 1 << 20
 TOUCHED = ".touched/"
 INCOMING = ".incoming/"  # large files on their way up, each under a random key, copied into place
 Client = S3Store
+STALL_S = 10.0  # a request that gets no byte from the store for this long fails (retried within RETRY_S)
+RETRY_S = 10.0  # no try starts after this long: a store that never answers fails in about STALL_S
+REQUEST_S = 300.0  # a request not done within this fails, however it progresses
 
 
 def is_object_url(location: str) -> bool:
     return location.startswith(SCHEMES)
 
 
-def open_client(url: str) -> Client:
-    """An S3 client for ``s3://BUCKET[/PREFIX]``, configured from the environment; it fails fast (two
-    retries within 10 s) when the store cannot be reached, instead of the library's three minutes."""
+def open_client(url: str, *, stall_s: float = STALL_S) -> Client:
+    """An S3 client for ``s3://BUCKET[/PREFIX]``, configured from the environment, whose every request
+    has deadlines: 5 s to connect, STALL_S without a byte from the store (a store that accepts and never
+    answers, or stops mid-stream), REQUEST_S in all; retried at most twice, none started after RETRY_S.
+    So a store that cannot be reached, or does not answer, fails in about 10 s, not the library's three
+    minutes (or never)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
     allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in {"1", "true"} or endpoint.startswith("http:")
     retry: Any = {
         "max_retries": 2,
-        "retry_timeout": datetime.timedelta(seconds=10),
+        "retry_timeout": datetime.timedelta(seconds=RETRY_S),
         "backoff": {
             "init_backoff": datetime.timedelta(milliseconds=100),
             "max_backoff": datetime.timedelta(seconds=2),
@@ -66,14 +77,15 @@ def open_client(url: str) -> Client:
     options: Any = {
         "allow_http": allow_http,
         "connect_timeout": datetime.timedelta(seconds=5),
-        "timeout": datetime.timedelta(seconds=300),
+        "read_timeout": datetime.timedelta(seconds=stall_s),
+        "timeout": datetime.timedelta(seconds=REQUEST_S),
     }
     try:
         return S3Store.from_url(
             url, client_options=options, retry_config=retry, copy_if_not_exists="multipart"
         )
     except BaseError as exc:
-        raise StoreUnavailable(f"cannot open the object store {url}: {_first_line(exc)}") from None
+        raise StoreUnavailable(f"cannot open the object store {url}: {describe(exc)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,9 @@ class ObjectStore:
         self.url = url.rstrip("/")
         self.max_bytes = max_bytes
         self.client = open_client(self.url) if client is None else client
+        # A server-side copy sends nothing until it is done (moto copies about as fast as it receives, so
+        # 2 GiB takes a minute): only its REQUEST_S deadline applies. Every call before it stalls out fast.
+        self._copier = open_client(self.url, stall_s=REQUEST_S) if client is None else client
 
     @property
     def location_prefix(self) -> str:
@@ -176,7 +191,7 @@ class ObjectStore:
                     elif (head := key.partition("/")[0]) != key:
                         sizes[head] = sizes.get(head, 0) + int(meta["size"])
         except BaseError as exc:
-            raise StoreUnavailable(f"cannot list the object store {self.url}: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"cannot list the object store {self.url}: {describe(exc)}") from None
         return [
             StoredVersion(d, self.path_for(d), max(when, touched.get(d, 0.0)), sizes.get(d, 0))
             for d, when in sorted(found.items())
@@ -201,7 +216,7 @@ class ObjectStore:
         try:
             keys = [str(m["path"]) for batch in obstore.list(self.client, prefix=f"{digest}/") for m in batch]
         except BaseError as exc:
-            raise StoreUnavailable(f"cannot list {digest[:16]}'s objects: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"cannot list {digest[:16]}'s objects: {describe(exc)}") from None
         for key in [*keys, TOUCHED + digest]:
             self._delete(key)
 
@@ -226,16 +241,20 @@ class ObjectStore:
             if staged is None:
                 self._put(key, chunks)
             else:
-                self._call(f"writing {self.url}/{staged}", obstore.put, self.client, staged, chunks,
-                           use_multipart=True, chunk_size=PART_BYTES, max_concurrency=4)  # fmt: skip
+                self._call(
+                    f"uploading {item.relpath!r} to {self.url}/{staged}",
+                    obstore.put, self.client, staged, chunks,
+                    use_multipart=True, chunk_size=PART_BYTES, max_concurrency=4,
+                )  # fmt: skip
             if check.hexdigest() != item.blake3:
                 if staged is None:
                     self._delete(key)
                 raise InvalidAdapter(f"{item.relpath!r} changed while it was being uploaded")
             if staged is not None:
                 self._call(
-                    f"writing {self.url}/{key}", obstore.copy, self.client, staged, key, overwrite=False
-                )
+                    f"copying {item.relpath!r} into place at {self.url}/{key}",
+                    obstore.copy, self._copier, staged, key, overwrite=False,
+                )  # fmt: skip
         except AlreadyExistsError:  # left by an earlier publish that stopped: it must hold these bytes
             if self._hash_object(key) != item.blake3:
                 raise StoreUnavailable(
@@ -243,7 +262,15 @@ class ObjectStore:
                 ) from None
         finally:
             if staged is not None:
-                self._delete(staged)
+                self._drop(staged)
+
+    def _drop(self, staged: str) -> None:
+        """Delete a staged upload, best effort: the caller hears how its upload ended, not how this did
+        (a staged copy left behind is ``kvgate gc``'s, ``adapters.gc_leftovers``)."""
+        try:
+            self._delete(staged)
+        except StoreUnavailable as exc:
+            log.warning("%s; kvgate gc removes it once it is older than its retention", exc)
 
     def _call(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -251,7 +278,7 @@ class ObjectStore:
         except AlreadyExistsError:
             raise
         except BaseError as exc:
-            raise StoreUnavailable(f"{what} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"{what} failed: {describe(exc)}") from None
 
     def _put(self, key: str, data: bytes | Iterator[bytes], *, parts: bool = False) -> None:
         """Write KEY only if it does not exist (``If-None-Match: *``, on the multipart completion too)."""
@@ -268,13 +295,13 @@ class ObjectStore:
         except AlreadyExistsError:
             raise
         except BaseError as exc:
-            raise StoreUnavailable(f"writing {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"writing {self.url}/{key} failed: {describe(exc)}") from None
 
     def _touch(self, digest: str) -> None:
         try:
             obstore.put(self.client, TOUCHED + digest, str(time.time()).encode())
         except BaseError as exc:
-            raise StoreUnavailable(f"touching {digest[:16]} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"touching {digest[:16]} failed: {describe(exc)}") from None
 
     def _get(self, key: str) -> bytes:
         try:
@@ -282,7 +309,7 @@ class ObjectStore:
         except FileNotFoundError:
             raise StoreUnavailable(f"{self.url}/{key} is missing from the object store") from None
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
 
     def _head(self, key: str) -> Any:
         try:
@@ -290,7 +317,7 @@ class ObjectStore:
         except FileNotFoundError:
             return None
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
 
     def _delete(self, key: str) -> None:
         try:
@@ -298,7 +325,7 @@ class ObjectStore:
         except FileNotFoundError:
             pass
         except BaseError as exc:
-            raise StoreUnavailable(f"deleting {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"deleting {self.url}/{key} failed: {describe(exc)}") from None
 
     def _hash_object(self, key: str) -> str:
         content = blake3(max_threads=blake3.AUTO)
@@ -306,7 +333,7 @@ class ObjectStore:
             for chunk in obstore.get(self.client, key):
                 content.update(chunk)
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
         return content.hexdigest()
 
 
@@ -346,5 +373,12 @@ def _is_digest(text: str) -> bool:
     return True
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+def describe(exc: BaseException) -> str:
+    """The client library's error in one line, led by how the call failed when that is known."""
+    text = str(exc)
+    line = (text.strip().splitlines() or [type(exc).__name__])[0][:300]
+    if "kind: Timeout" in text:  # the library's debug source: a deadline of open_client's passed
+        return f"timed out (no answer within {STALL_S:g} s, or not done within {REQUEST_S:g} s): {line}"
+    if "ConnectionRefused" in text:
+        return f"connection refused: {line}"
+    return line
