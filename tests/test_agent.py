@@ -23,7 +23,8 @@ import obstore
 import pytest
 from blake3 import blake3
 
-from gateway.adapters.objstore import ObjectStore, open_client
+from gateway.adapters.objclient import open_client
+from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import INCOMING_PREFIX
 from gateway.agent.fetch import STAMPS
 from gateway.agent.server import FETCHER, build_agent

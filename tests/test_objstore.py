@@ -22,7 +22,8 @@ from obstore.store import S3Store
 
 from gateway.adapters import gc
 from gateway.adapters.manifest import parse
-from gateway.adapters.objstore import INCOMING, PART_BYTES, STALL_S, ObjectStore, open_client
+from gateway.adapters.objclient import STALL_S, open_client
+from gateway.adapters.objstore import INCOMING, PART_BYTES, ObjectStore
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import InvalidAdapter, StoreUnavailable

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
 
-from gateway.adapters.objstore import INCOMING, ObjectStore, describe
+from gateway.adapters.objclient import describe
+from gateway.adapters.objstore import INCOMING, ObjectStore
 from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
 from gateway.core.errors import StoreUnavailable
 

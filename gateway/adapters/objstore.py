@@ -12,16 +12,14 @@ Publishing the same bytes again writes nothing but ``<prefix>/.touched/<digest>`
 the one object ever rewritten), which ``kvgate gc`` reads as the version's age, as it reads a
 directory's mtime. The endpoint, region and credentials come from the usual ``AWS_*`` environment
 (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_ALLOW_HTTP``...), read by the client library, ``obstore`` (docs/object-store.md says why).
-
-Every call has a deadline (``open_client``) and every error is a ``StoreUnavailable`` naming the call that
-failed (``describe`` says how: timed out, refused). Cleaning up after a failed upload never hides it.
+``AWS_ALLOW_HTTP``...), read by the client library, ``obstore`` (docs/object-store.md says why), opened
+with a deadline on every call (``adapters.objclient``). Every error is a ``StoreUnavailable`` naming the
+call that failed; cleaning up after a failed upload never hides it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import secrets
@@ -34,58 +32,20 @@ from typing import Any
 import obstore
 from blake3 import blake3
 from obstore.exceptions import AlreadyExistsError, BaseError
-from obstore.store import S3Store
 
 from gateway.adapters.manifest import BadManifest, FileEntry, digest_of, encode, parse
+from gateway.adapters.objclient import REQUEST_S, Client, describe
+from gateway.adapters.objclient import is_object_url as is_object_url  # where callers found them
+from gateway.adapters.objclient import open_client as open_client
 from gateway.adapters.store import DEFAULT_MAX_BYTES, Progress
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
 from gateway.core.identity import ManifestEntry, check_digest, scan_adapter
 
 log = logging.getLogger(__name__)
-SCHEMES = ("s3://",)
 PART_BYTES = 8 << 20  # multipart above this, in parts of this size
 _READ = 1 << 20
 TOUCHED = ".touched/"
 INCOMING = ".incoming/"  # large files on their way up, each under a random key, copied into place
-Client = S3Store
-STALL_S = 10.0  # a request that gets no byte from the store for this long fails (retried within RETRY_S)
-RETRY_S = 10.0  # no try starts after this long: a store that never answers fails in about STALL_S
-REQUEST_S = 300.0  # a request not done within this fails, however it progresses
-
-
-def is_object_url(location: str) -> bool:
-    return location.startswith(SCHEMES)
-
-
-def open_client(url: str, *, stall_s: float = STALL_S) -> Client:
-    """An S3 client for ``s3://BUCKET[/PREFIX]``, configured from the environment, whose every request
-    has deadlines: 5 s to connect, STALL_S without a byte from the store (a store that accepts and never
-    answers, or stops mid-stream), REQUEST_S in all; retried at most twice, none started after RETRY_S.
-    So a store that cannot be reached, or does not answer, fails in about 10 s, not the library's three
-    minutes (or never)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-    allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in {"1", "true"} or endpoint.startswith("http:")
-    retry: Any = {
-        "max_retries": 2,
-        "retry_timeout": datetime.timedelta(seconds=RETRY_S),
-        "backoff": {
-            "init_backoff": datetime.timedelta(milliseconds=100),
-            "max_backoff": datetime.timedelta(seconds=2),
-            "base": 2.0,
-        },
-    }
-    options: Any = {
-        "allow_http": allow_http,
-        "connect_timeout": datetime.timedelta(seconds=5),
-        "read_timeout": datetime.timedelta(seconds=stall_s),
-        "timeout": datetime.timedelta(seconds=REQUEST_S),
-    }
-    try:
-        return S3Store.from_url(
-            url, client_options=options, retry_config=retry, copy_if_not_exists="multipart"
-        )
-    except BaseError as exc:
-        raise StoreUnavailable(f"cannot open the object store {url}: {describe(exc)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,14 +331,3 @@ def _is_digest(text: str) -> bool:
     except InvalidAdapter:
         return False
     return True
-
-
-def describe(exc: BaseException) -> str:
-    """The client library's error in one line, led by how the call failed when that is known."""
-    text = str(exc)
-    line = (text.strip().splitlines() or [type(exc).__name__])[0][:300]
-    if "kind: Timeout" in text:  # the library's debug source: a deadline of open_client's passed
-        return f"timed out (no answer within {STALL_S:g} s, or not done within {REQUEST_S:g} s): {line}"
-    if "ConnectionRefused" in text:
-        return f"connection refused: {line}"
-    return line

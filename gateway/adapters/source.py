@@ -19,7 +19,7 @@ from pathlib import Path
 import obstore
 from obstore.exceptions import BaseError
 
-from gateway.adapters.objstore import describe, is_object_url, open_client
+from gateway.adapters.objclient import describe, is_object_url, open_client
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
 from gateway.core.identity import MAX_FILES
 

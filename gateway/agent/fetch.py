@@ -40,7 +40,7 @@ from blake3 import blake3
 from obstore.exceptions import BaseError
 
 from gateway.adapters.manifest import BadManifest, FileEntry, parse
-from gateway.adapters.objstore import Client, describe
+from gateway.adapters.objclient import Client, describe
 from gateway.adapters.store import DIR_MODE, FILE_MODE, INCOMING_PREFIX
 from gateway.core.errors import StoreUnavailable
 from gateway.core.identity import check_digest
