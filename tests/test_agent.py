@@ -8,11 +8,13 @@ real-vLLM test is tests/vllm/test_agent_vllm.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -23,7 +25,7 @@ import obstore
 import pytest
 from blake3 import blake3
 
-from gateway.adapters.objclient import open_client
+from gateway.adapters.objclient import STALL_S, open_client
 from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import INCOMING_PREFIX
 from gateway.agent.fetch import STAMPS
@@ -31,7 +33,7 @@ from gateway.agent.server import FETCHER, build_agent
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.serving import free_port, running
 from tests.conftest import MakeAdapter, eventually
-from tests.s3_server import S3Server, environment
+from tests.s3_server import S3Server, environment, silent_endpoint
 from tests.stub_backend import StubState, build_stub
 
 TOKEN = "agent-test-token"
@@ -148,16 +150,24 @@ async def test_bytes_changed_after_publish_are_refused_with_nothing_left(
     assert leftovers(tmp_path / "local") == [], "no partial directory"
 
 
+@pytest.mark.parametrize("how", ["refused", "silent"])
 async def test_an_unreachable_object_store_is_refused(
-    agent: Agent, s3: S3Server, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path
+    agent: Agent, s3: S3Server, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path, how: str
 ) -> None:
+    """A store that refuses connections, or accepts them and never answers (within its deadline)."""
     stored = ObjectStore(s3_url).ingest(make_adapter(b"v1"))
-    with environment({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}):
-        nowhere = open_client(s3_url)
-    async with agent(client=nowhere) as (url, _):
-        status, body = await ask(url, stored.digest)
+    with contextlib.ExitStack() as stack:
+        endpoint = "http://127.0.0.1:9" if how == "refused" else stack.enter_context(silent_endpoint())
+        with environment({"AWS_ENDPOINT_URL": endpoint}):
+            nowhere = open_client(s3_url)
+        async with agent(client=nowhere) as (url, _):
+            started = time.monotonic()
+            status, body = await ask(url, stored.digest)
+            took = time.monotonic() - started
     assert status == 503, body
     assert body["error"]["code"] == "unreachable"
+    assert body["error"]["message"].startswith("reading the manifest failed: "), body
+    assert took < STALL_S + 10, f"the deadline held: {took:.1f} s"
     assert list((tmp_path / "local").iterdir()) == []
 
 
