@@ -1,23 +1,30 @@
 """A real S3 API server for the object-store tests: moto's standalone server, one process per session.
 
 Tests talk to it with the production client (``obstore``, through ``adapters.objstore``) configured by
-the same ``AWS_*`` environment an operator sets; buckets are made with a plain ``PUT /BUCKET``.
+the same ``AWS_*`` environment an operator sets; buckets are made with a plain ``PUT /BUCKET``. Two bad
+endpoints, real sockets: ``silent_endpoint`` accepts connections and never answers; ``cutting_proxy``
+forwards to a server until its clients have sent so many bytes, then drops every connection and refuses
+new ones (a store that goes away mid-upload).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gateway.serving import free_port
 
@@ -91,3 +98,108 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _listener() -> socket.socket:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(0.2)  # its accept loop sees the socket closed within this
+    return sock
+
+
+def _endpoint(sock: socket.socket) -> str:
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextmanager
+def silent_endpoint() -> Iterator[str]:
+    """An endpoint URL whose server accepts every connection, reads nothing and never answers."""
+    sock = _listener()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(sock.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:  # closed: the block ended
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield _endpoint(sock)
+    finally:
+        sock.close()
+        thread.join(timeout=5)
+        for conn in held:
+            conn.close()
+
+
+@dataclass
+class CuttingProxy:
+    endpoint: str
+    cut: threading.Event = field(default_factory=threading.Event)  # set once it dropped everything
+
+
+@contextmanager
+def cutting_proxy(upstream: str, *, after_bytes: int) -> Iterator[CuttingProxy]:
+    """A TCP proxy to UPSTREAM (an http:// endpoint) that forwards both ways until its clients have sent
+    AFTER_BYTES in all, then closes every connection and its listening socket: what was under way fails,
+    and every later connection is refused."""
+    target = urlsplit(upstream)
+    sock = _listener()
+    proxy = CuttingProxy(_endpoint(sock))
+    conns: list[socket.socket] = []
+    lock = threading.Lock()
+    sent = 0
+
+    def cut() -> None:
+        proxy.cut.set()
+        sock.close()
+        with lock:
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+
+    def pump(src: socket.socket, dst: socket.socket, upward: bool) -> None:
+        nonlocal sent
+        try:
+            while data := src.recv(1 << 16):
+                if upward:
+                    with lock:
+                        sent += len(data)
+                        over = sent >= after_bytes
+                    if over:
+                        cut()
+                        return
+                dst.sendall(data)
+        except OSError:  # the other side, or the cut, closed it
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while not proxy.cut.is_set():
+            try:
+                client = sock.accept()[0]
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.create_connection((target.hostname, target.port or 80), timeout=10)
+            server.settimeout(None)
+            with lock:
+                conns.extend([client, server])
+            for src, dst, upward in ((client, server, True), (server, client, False)):
+                threading.Thread(target=pump, args=(src, dst, upward), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield proxy
+    finally:
+        cut()
+        thread.join(timeout=5)

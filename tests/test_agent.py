@@ -8,10 +8,13 @@ real-vLLM test is tests/vllm/test_agent_vllm.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -20,14 +23,17 @@ from typing import Any
 import aiohttp
 import obstore
 import pytest
+from blake3 import blake3
 
-from gateway.adapters.objstore import ObjectStore, open_client
+from gateway.adapters.objclient import STALL_S, open_client
+from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.store import INCOMING_PREFIX
+from gateway.agent.fetch import STAMPS
 from gateway.agent.server import FETCHER, build_agent
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.serving import free_port, running
 from tests.conftest import MakeAdapter, eventually
-from tests.s3_server import S3Server, environment
+from tests.s3_server import S3Server, environment, silent_endpoint
 from tests.stub_backend import StubState, build_stub
 
 TOKEN = "agent-test-token"
@@ -65,12 +71,20 @@ async def ask(url: str, digest: str, token: str = TOKEN) -> tuple[int, dict[str,
         return r.status, await r.json()
 
 
+async def healthy(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
 def mount(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=30)
 
 
 def leftovers(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name != STAMPS)
 
 
 async def test_a_fetch_is_verified_renamed_into_place_and_answered(
@@ -136,16 +150,24 @@ async def test_bytes_changed_after_publish_are_refused_with_nothing_left(
     assert leftovers(tmp_path / "local") == [], "no partial directory"
 
 
+@pytest.mark.parametrize("how", ["refused", "silent"])
 async def test_an_unreachable_object_store_is_refused(
-    agent: Agent, s3: S3Server, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path
+    agent: Agent, s3: S3Server, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path, how: str
 ) -> None:
+    """A store that refuses connections, or accepts them and never answers (within its deadline)."""
     stored = ObjectStore(s3_url).ingest(make_adapter(b"v1"))
-    with environment({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}):
-        nowhere = open_client(s3_url)
-    async with agent(client=nowhere) as (url, _):
-        status, body = await ask(url, stored.digest)
+    with contextlib.ExitStack() as stack:
+        endpoint = "http://127.0.0.1:9" if how == "refused" else stack.enter_context(silent_endpoint())
+        with environment({"AWS_ENDPOINT_URL": endpoint}):
+            nowhere = open_client(s3_url)
+        async with agent(client=nowhere) as (url, _):
+            started = time.monotonic()
+            status, body = await ask(url, stored.digest)
+            took = time.monotonic() - started
     assert status == 503, body
     assert body["error"]["code"] == "unreachable"
+    assert body["error"]["message"].startswith("reading the manifest failed: "), body
+    assert took < STALL_S + 10, f"the deadline held: {took:.1f} s"
     assert list((tmp_path / "local").iterdir()) == []
 
 
@@ -200,14 +222,7 @@ async def test_an_agent_restarted_mid_fetch_leaves_nothing_and_fetches_again(
     async def started() -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
 
-        async def healthy() -> bool:
-            try:
-                async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as r:
-                    return r.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await eventually(healthy, "the agent answers /healthz", within=30)
+        await eventually(lambda: healthy(f"http://127.0.0.1:{port}"), "the agent answers /healthz", within=30)
         return process
 
     first = await started()
@@ -229,3 +244,123 @@ async def test_an_agent_restarted_mid_fetch_leaves_nothing_and_fetches_again(
     finally:
         second.terminate()
         await second.wait()
+
+
+async def test_the_loop_answers_while_a_fetch_waits_on_its_disk(
+    agent: Agent, s3_url: str, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch writes and fsyncs in worker threads: with one held in a file's fsync (a slow disk), the
+    agent still answers /healthz and hands out a copy it has."""
+    store = ObjectStore(s3_url)
+    ready, slow = (store.ingest(make_adapter(os.urandom(100_000))) for _ in range(2))
+    held, release, expired = threading.Event(), threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode) and not release.is_set():
+            held.set()
+            if not release.wait(10):  # on the loop's thread this holds the loop: nothing answers
+                expired.set()
+        real_fsync(fd)
+
+    async with agent() as (url, _):
+        assert (await ask(url, ready.digest))[0] == 200
+        monkeypatch.setattr(os, "fsync", fsync)
+        fetching = asyncio.ensure_future(ask(url, slow.digest))
+        try:
+            await eventually(held.is_set, "the fetch waits in its fsync")
+            assert await healthy(url)
+            assert (await ask(url, ready.digest))[0] == 200
+            assert not expired.is_set(), "the agent answered only once the fsync was let go"
+        finally:
+            release.set()
+        status, body = await fetching
+        assert status == 200, body
+
+
+async def test_a_fetch_hashes_each_byte_once_off_the_loop(
+    agent: Agent, s3_url: str, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes are hashed as they stream in, in worker threads, and never read back for a second pass."""
+    hashed: list[tuple[int, int]] = []  # (thread, bytes) of every hashing call
+
+    class Recorded:
+        """blake3 itself, recording where and how much it hashes."""
+
+        AUTO = blake3.AUTO
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.real = blake3(*args, **kwargs)
+
+        def update(self, data: bytes) -> Recorded:
+            hashed.append((threading.get_ident(), len(memoryview(data))))
+            self.real.update(data)
+            return self
+
+        def update_mmap(self, path: str) -> Recorded:
+            hashed.append((threading.get_ident(), os.path.getsize(path)))
+            self.real.update_mmap(path)
+            return self
+
+        def hexdigest(self) -> str:
+            return self.real.hexdigest()
+
+        def digest(self) -> bytes:
+            return self.real.digest()
+
+    source = make_adapter(os.urandom(3 << 20))
+    size = sum(p.stat().st_size for p in source.iterdir())
+    stored = ObjectStore(s3_url).ingest(source)
+    async with agent() as (url, _):
+        monkeypatch.setattr("gateway.agent.fetch.blake3", Recorded)
+        monkeypatch.setattr("gateway.core.identity.blake3", Recorded)
+        status, body = await ask(url, stored.digest)
+        assert status == 200, body
+    assert sum(n for _, n in hashed) == size, "one pass: each byte hashed once"
+    assert threading.get_ident() not in {thread for thread, _ in hashed}, "none on the loop's thread"
+
+
+def file_clock(where: Path) -> int:
+    """The ctime a file changed now gets."""
+    probe = where / "clock"
+    probe.touch()
+    os.utime(probe)
+    return probe.stat().st_ctime_ns
+
+
+def alter(local: Path, how: str) -> None:
+    weights = local / "adapter_model.safetensors"
+    if how == "rewritten":  # other bytes, same size, its mtime put back: only its ctime tells
+        before = weights.stat()
+        data = weights.read_bytes()
+        weights.chmod(0o644)
+        weights.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+        weights.chmod(0o444)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert weights.stat().st_ctime_ns != before.st_ctime_ns
+    elif how == "added":
+        (local / "sneaked-in.bin").write_bytes(b"x")
+    elif how == "unstamped":  # a copy this agent did not stamp (an older agent's, or a lost stamp)
+        (local.parent / STAMPS / f"{local.name}.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["rewritten", "added", "unstamped"])
+async def test_a_cached_copy_altered_on_disk_is_fetched_again_never_served(
+    agent: Agent, s3_url: str, make_adapter: MakeAdapter, tmp_path: Path, how: str
+) -> None:
+    stored = ObjectStore(s3_url).ingest(make_adapter(os.urandom(100_000)))
+    local = tmp_path / "local" / stored.digest
+    async with agent() as (url, fetcher):
+        assert (await ask(url, stored.digest))[0] == 200
+        fetched = max(p.lstat().st_ctime_ns for p in [local, *local.rglob("*")])
+        await eventually(  # file times come from a coarse clock: let it pass the fetch's before altering
+            lambda: file_clock(tmp_path) > fetched, "the file clock moved on"
+        )
+        alter(local, how)
+        status, body = await ask(url, stored.digest)
+        assert status == 200, body
+        assert tree_digest(local, scan_adapter(local)) == stored.digest, "what is handed out is the version"
+        assert (fetcher.counts["altered"], fetcher.counts["fetched"]) == (1, 2)
+        assert (await ask(url, stored.digest))[0] == 200
+        assert (fetcher.counts["cached"], fetcher.counts["fetched"]) == (1, 2), "the new copy is stamped"
+    assert leftovers(tmp_path / "local") == []

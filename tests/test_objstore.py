@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,7 +22,8 @@ from obstore.store import S3Store
 
 from gateway.adapters import gc
 from gateway.adapters.manifest import parse
-from gateway.adapters.objstore import INCOMING, PART_BYTES, ObjectStore, open_client
+from gateway.adapters.objclient import STALL_S, open_client
+from gateway.adapters.objstore import INCOMING, PART_BYTES, ObjectStore
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
@@ -28,7 +31,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import read_versions
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
-from tests.s3_server import S3Server, environment
+from tests.s3_server import S3Server, cutting_proxy, environment, silent_endpoint
 
 DAY = 86_400.0
 
@@ -103,6 +106,47 @@ def test_an_unreachable_store_is_a_clear_error(make_adapter: MakeAdapter, s3: S3
         store.ingest(make_adapter(b"v1"))
 
 
+async def test_a_store_that_never_answers_fails_publish_within_its_deadline_naming_the_call(
+    redis_server: EmbeddedRedis, s3: S3Server, make_adapter: MakeAdapter
+) -> None:
+    """A real socket that accepts and never answers: the library alone would wait for ever (its overall
+    request timeout, 300 s, then each further call's); each call stalls out after STALL_S."""
+    source = make_adapter(b"v1")
+    with silent_endpoint() as endpoint, environment({"AWS_ENDPOINT_URL": endpoint}):
+        started = time.monotonic()
+        code, _, err = await run_cli(
+            "publish", "t", str(source), "--store", "s3://bucket/store", redis=redis_server, within=60
+        )
+        took = time.monotonic() - started
+    assert code != 0, err
+    assert took < STALL_S + 20, f"the deadline held: {took:.1f} s"
+    assert re.search(r"reading s3://bucket/store/[0-9a-f]{64}\.json failed: timed out", err), err
+
+
+def test_a_store_that_goes_away_mid_upload_names_the_upload_not_its_cleanup(
+    s3: S3Server, s3_url: str, make_adapter: MakeAdapter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store drops every connection half way through a large file's first part and refuses every
+    later one, so the staged upload cannot be deleted either: the error is the upload's."""
+    source = make_adapter(os.urandom(PART_BYTES * 2 + 1))
+    with cutting_proxy(s3.endpoint, after_bytes=PART_BYTES // 2) as proxy:
+        with environment({"AWS_ENDPOINT_URL": proxy.endpoint}):
+            store = ObjectStore(s3_url)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as failed:
+            store.ingest(source)
+        took = time.monotonic() - started
+    assert proxy.cut.is_set()
+    message = str(failed.value)
+    assert re.match(r"uploading 'adapter_model.safetensors' to s3://.*/\.incoming/\w+ failed: ", message), (
+        message
+    )
+    assert "connection refused" in message, message
+    assert took < STALL_S, f"refused, so no deadline was needed: {took:.1f} s"
+    left = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(line.startswith("deleting ") and "kvgate gc removes it" in line for line in left), left
+
+
 def test_a_manifest_that_does_not_hash_to_its_digest_is_refused(
     s3_url: str, make_adapter: MakeAdapter
 ) -> None:
@@ -165,12 +209,17 @@ async def test_gc_keeps_what_a_publish_touched(
     assert all("young" in entry.kept_because for entry in entries), "just written: young"
 
 
-async def run_cli(*args: str, redis: EmbeddedRedis) -> tuple[int, str, str]:
+async def run_cli(*args: str, redis: EmbeddedRedis, within: float = 120) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", *args, "--redis-url", redis.url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=within)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
 

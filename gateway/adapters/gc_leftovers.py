@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
 
+from gateway.adapters.objclient import describe
 from gateway.adapters.objstore import INCOMING, ObjectStore
 from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
 from gateway.core.errors import StoreUnavailable
@@ -47,7 +48,7 @@ def remove(store: AdapterStore | ObjectStore, leftover: Leftover) -> None:
         except NotFoundError:
             pass  # another gc took it
         except BaseError as exc:
-            raise StoreUnavailable(f"cannot delete {store.url}/{leftover.path}: {exc}") from None
+            raise StoreUnavailable(f"cannot delete {store.url}/{leftover.path}: {describe(exc)}") from None
         return
     shutil.rmtree(leftover.path, ignore_errors=True)
 
@@ -56,7 +57,7 @@ def _objects(store: ObjectStore, now: float) -> list[Leftover]:
     try:
         metas = [meta for batch in obstore.list(store.client, prefix=INCOMING) for meta in batch]
     except BaseError as exc:
-        raise StoreUnavailable(f"cannot list {store.url}/{INCOMING}: {exc}") from None
+        raise StoreUnavailable(f"cannot list {store.url}/{INCOMING}: {describe(exc)}") from None
     return [Leftover(str(m["path"]), now - m["last_modified"].timestamp(), int(m["size"])) for m in metas]
 
 

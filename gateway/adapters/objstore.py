@@ -12,13 +12,15 @@ Publishing the same bytes again writes nothing but ``<prefix>/.touched/<digest>`
 the one object ever rewritten), which ``kvgate gc`` reads as the version's age, as it reads a
 directory's mtime. The endpoint, region and credentials come from the usual ``AWS_*`` environment
 (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_ALLOW_HTTP``...), read by the client library, ``obstore`` (docs/object-store.md says why).
+``AWS_ALLOW_HTTP``...), read by the client library, ``obstore`` (docs/object-store.md says why), opened
+with a deadline on every call (``adapters.objclient``). Every error is a ``StoreUnavailable`` naming the
+call that failed; cleaning up after a failed upload never hides it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
+import logging
 import os
 import secrets
 import time
@@ -30,50 +32,20 @@ from typing import Any
 import obstore
 from blake3 import blake3
 from obstore.exceptions import AlreadyExistsError, BaseError
-from obstore.store import S3Store
 
 from gateway.adapters.manifest import BadManifest, FileEntry, digest_of, encode, parse
+from gateway.adapters.objclient import REQUEST_S, Client, describe
+from gateway.adapters.objclient import is_object_url as is_object_url  # where callers found them
+from gateway.adapters.objclient import open_client as open_client
 from gateway.adapters.store import DEFAULT_MAX_BYTES, Progress
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
 from gateway.core.identity import ManifestEntry, check_digest, scan_adapter
 
-SCHEMES = ("s3://",)
+log = logging.getLogger(__name__)
 PART_BYTES = 8 << 20  # multipart above this, in parts of this size
 _READ = 1 << 20
 TOUCHED = ".touched/"
 INCOMING = ".incoming/"  # large files on their way up, each under a random key, copied into place
-Client = S3Store
-
-
-def is_object_url(location: str) -> bool:
-    return location.startswith(SCHEMES)
-
-
-def open_client(url: str) -> Client:
-    """An S3 client for ``s3://BUCKET[/PREFIX]``, configured from the environment; it fails fast (two
-    retries within 10 s) when the store cannot be reached, instead of the library's three minutes."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-    allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in {"1", "true"} or endpoint.startswith("http:")
-    retry: Any = {
-        "max_retries": 2,
-        "retry_timeout": datetime.timedelta(seconds=10),
-        "backoff": {
-            "init_backoff": datetime.timedelta(milliseconds=100),
-            "max_backoff": datetime.timedelta(seconds=2),
-            "base": 2.0,
-        },
-    }
-    options: Any = {
-        "allow_http": allow_http,
-        "connect_timeout": datetime.timedelta(seconds=5),
-        "timeout": datetime.timedelta(seconds=300),
-    }
-    try:
-        return S3Store.from_url(
-            url, client_options=options, retry_config=retry, copy_if_not_exists="multipart"
-        )
-    except BaseError as exc:
-        raise StoreUnavailable(f"cannot open the object store {url}: {_first_line(exc)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +69,9 @@ class ObjectStore:
         self.url = url.rstrip("/")
         self.max_bytes = max_bytes
         self.client = open_client(self.url) if client is None else client
+        # A server-side copy sends nothing until it is done (moto copies about as fast as it receives, so
+        # 2 GiB takes a minute): only its REQUEST_S deadline applies. Every call before it stalls out fast.
+        self._copier = open_client(self.url, stall_s=REQUEST_S) if client is None else client
 
     @property
     def location_prefix(self) -> str:
@@ -176,7 +151,7 @@ class ObjectStore:
                     elif (head := key.partition("/")[0]) != key:
                         sizes[head] = sizes.get(head, 0) + int(meta["size"])
         except BaseError as exc:
-            raise StoreUnavailable(f"cannot list the object store {self.url}: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"cannot list the object store {self.url}: {describe(exc)}") from None
         return [
             StoredVersion(d, self.path_for(d), max(when, touched.get(d, 0.0)), sizes.get(d, 0))
             for d, when in sorted(found.items())
@@ -201,7 +176,7 @@ class ObjectStore:
         try:
             keys = [str(m["path"]) for batch in obstore.list(self.client, prefix=f"{digest}/") for m in batch]
         except BaseError as exc:
-            raise StoreUnavailable(f"cannot list {digest[:16]}'s objects: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"cannot list {digest[:16]}'s objects: {describe(exc)}") from None
         for key in [*keys, TOUCHED + digest]:
             self._delete(key)
 
@@ -226,16 +201,20 @@ class ObjectStore:
             if staged is None:
                 self._put(key, chunks)
             else:
-                self._call(f"writing {self.url}/{staged}", obstore.put, self.client, staged, chunks,
-                           use_multipart=True, chunk_size=PART_BYTES, max_concurrency=4)  # fmt: skip
+                self._call(
+                    f"uploading {item.relpath!r} to {self.url}/{staged}",
+                    obstore.put, self.client, staged, chunks,
+                    use_multipart=True, chunk_size=PART_BYTES, max_concurrency=4,
+                )  # fmt: skip
             if check.hexdigest() != item.blake3:
                 if staged is None:
                     self._delete(key)
                 raise InvalidAdapter(f"{item.relpath!r} changed while it was being uploaded")
             if staged is not None:
                 self._call(
-                    f"writing {self.url}/{key}", obstore.copy, self.client, staged, key, overwrite=False
-                )
+                    f"copying {item.relpath!r} into place at {self.url}/{key}",
+                    obstore.copy, self._copier, staged, key, overwrite=False,
+                )  # fmt: skip
         except AlreadyExistsError:  # left by an earlier publish that stopped: it must hold these bytes
             if self._hash_object(key) != item.blake3:
                 raise StoreUnavailable(
@@ -243,7 +222,15 @@ class ObjectStore:
                 ) from None
         finally:
             if staged is not None:
-                self._delete(staged)
+                self._drop(staged)
+
+    def _drop(self, staged: str) -> None:
+        """Delete a staged upload, best effort: the caller hears how its upload ended, not how this did
+        (a staged copy left behind is ``kvgate gc``'s, ``adapters.gc_leftovers``)."""
+        try:
+            self._delete(staged)
+        except StoreUnavailable as exc:
+            log.warning("%s; kvgate gc removes it once it is older than its retention", exc)
 
     def _call(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -251,7 +238,7 @@ class ObjectStore:
         except AlreadyExistsError:
             raise
         except BaseError as exc:
-            raise StoreUnavailable(f"{what} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"{what} failed: {describe(exc)}") from None
 
     def _put(self, key: str, data: bytes | Iterator[bytes], *, parts: bool = False) -> None:
         """Write KEY only if it does not exist (``If-None-Match: *``, on the multipart completion too)."""
@@ -268,13 +255,13 @@ class ObjectStore:
         except AlreadyExistsError:
             raise
         except BaseError as exc:
-            raise StoreUnavailable(f"writing {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"writing {self.url}/{key} failed: {describe(exc)}") from None
 
     def _touch(self, digest: str) -> None:
         try:
             obstore.put(self.client, TOUCHED + digest, str(time.time()).encode())
         except BaseError as exc:
-            raise StoreUnavailable(f"touching {digest[:16]} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"touching {digest[:16]} failed: {describe(exc)}") from None
 
     def _get(self, key: str) -> bytes:
         try:
@@ -282,7 +269,7 @@ class ObjectStore:
         except FileNotFoundError:
             raise StoreUnavailable(f"{self.url}/{key} is missing from the object store") from None
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
 
     def _head(self, key: str) -> Any:
         try:
@@ -290,7 +277,7 @@ class ObjectStore:
         except FileNotFoundError:
             return None
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
 
     def _delete(self, key: str) -> None:
         try:
@@ -298,7 +285,7 @@ class ObjectStore:
         except FileNotFoundError:
             pass
         except BaseError as exc:
-            raise StoreUnavailable(f"deleting {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"deleting {self.url}/{key} failed: {describe(exc)}") from None
 
     def _hash_object(self, key: str) -> str:
         content = blake3(max_threads=blake3.AUTO)
@@ -306,7 +293,7 @@ class ObjectStore:
             for chunk in obstore.get(self.client, key):
                 content.update(chunk)
         except BaseError as exc:
-            raise StoreUnavailable(f"reading {self.url}/{key} failed: {_first_line(exc)}") from None
+            raise StoreUnavailable(f"reading {self.url}/{key} failed: {describe(exc)}") from None
         return content.hexdigest()
 
 
@@ -344,7 +331,3 @@ def _is_digest(text: str) -> bool:
     except InvalidAdapter:
         return False
     return True
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

@@ -19,7 +19,7 @@ from pathlib import Path
 import obstore
 from obstore.exceptions import BaseError
 
-from gateway.adapters.objstore import is_object_url, open_client
+from gateway.adapters.objclient import describe, is_object_url, open_client
 from gateway.core.errors import InvalidAdapter, StoreUnavailable
 from gateway.core.identity import MAX_FILES
 
@@ -46,7 +46,7 @@ def download(url: str, target: Path, *, max_bytes: int) -> None:
     try:
         listed = [(str(m["path"]), int(m["size"])) for batch in obstore.list(client) for m in batch]
     except BaseError as exc:
-        raise StoreUnavailable(f"cannot list {url}: {str(exc).splitlines()[0][:300]}") from None
+        raise StoreUnavailable(f"cannot list {url}: {describe(exc)}") from None
     if not listed:
         raise InvalidAdapter(f"{url!r} holds no objects", param="adapter_dir")
     if len(listed) > MAX_FILES:
@@ -70,6 +70,4 @@ def download(url: str, target: Path, *, max_bytes: int) -> None:
         except FileNotFoundError:
             raise InvalidAdapter(f"{key!r} in {url!r} went away while it was being downloaded") from None
         except BaseError as exc:
-            raise StoreUnavailable(
-                f"reading {key!r} in {url!r} failed: {str(exc).splitlines()[0][:300]}"
-            ) from None
+            raise StoreUnavailable(f"reading {key!r} in {url!r} failed: {describe(exc)}") from None

@@ -2,11 +2,18 @@
 
 A fetch reads the manifest, checks that its entries hash to DIGEST (``adapters.manifest.parse``), makes
 room under the disk budget, streams every file into a private ``.incoming-*`` directory, hashing each as it
-arrives and never writing more than its manifest size, fsyncs, recomputes the tree digest from the bytes
-on disk, and only then renames the directory to ``<local>/<digest>/`` (atomic; 0755 directories, 0444
-files). Any failure removes the incoming directory: nothing unverified is ever at a digest's path. An
-agent that stopped mid-fetch removes what it left at its next start. Concurrent asks for one digest share
-one fetch.
+arrives and never writing more than its manifest size (one pass: the bytes written are the bytes hashed,
+so each file's size and blake3 checked against the manifest make the tree DIGEST's without reading it
+again), fsyncs, and only then renames the directory to ``<local>/<digest>/`` (atomic; 0755 directories,
+0444 files) and writes its stamp, ``<local>/.stamps/<digest>.json``: every entry's size, times and inode.
+Any failure removes the incoming directory: nothing unverified is ever at a digest's path. An agent that
+stopped mid-fetch removes what it left at its next start. Concurrent asks for one digest share one fetch.
+Hashing and every disk write and fsync run in worker threads: the event loop (``/healthz``, other asks)
+never waits for the disk.
+
+A copy already here is handed out only while it matches its stamp (a few ``lstat`` calls, no hashing):
+any write, chmod, added or removed file changes a ctime, which nothing can set back. A copy that does
+not match, or has no stamp, is removed and fetched again (counted ``altered``).
 
 The disk budget evicts the least recently asked digests first, never one the replica lists as loaded
 (its ``/v1/models``, read when room is needed: when it cannot be read, nothing is evicted) and never one
@@ -16,7 +23,9 @@ answered within ``hold_s`` (kvgate asked for it to load it right after).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
@@ -31,16 +40,18 @@ from blake3 import blake3
 from obstore.exceptions import BaseError
 
 from gateway.adapters.manifest import BadManifest, FileEntry, parse
-from gateway.adapters.objstore import Client
+from gateway.adapters.objclient import Client, describe
 from gateway.adapters.store import DIR_MODE, FILE_MODE, INCOMING_PREFIX
-from gateway.core.errors import InvalidAdapter, StoreUnavailable
-from gateway.core.identity import check_digest, tree_digest
+from gateway.core.errors import StoreUnavailable
+from gateway.core.identity import check_digest
 
 log = logging.getLogger(__name__)
 EVICTING_PREFIX = ".evicting-"
+STAMPS = ".stamps"
 OUTCOMES = (
     "fetched",
     "cached",
+    "altered",
     "changed",
     "truncated",
     "missing",
@@ -98,11 +109,11 @@ class Fetcher:
         """``<local>/<digest>/``, fetched and verified if it is not here yet; ``FetchFailed`` otherwise."""
         check_digest(digest)
         self.last_asked[digest] = time.monotonic()
-        final = self.root / digest
-        if final.is_dir():
-            self.counts["cached"] += 1
-            return final
         task = self._fetching.get(digest)
+        if task is None and await asyncio.to_thread(self._intact, digest):
+            self.counts["cached"] += 1
+            return self.root / digest
+        task = self._fetching.get(digest)  # another ask may have started it meanwhile
         if task is None:
             task = asyncio.create_task(self._fetch(digest))
             self._fetching[digest] = task
@@ -122,30 +133,50 @@ class Fetcher:
         return path
 
     async def _fetch_verified(self, digest: str) -> Path:
+        final = self.root / digest
+        if await asyncio.to_thread(self._intact, digest):  # a fetch that ended while this ask looked
+            return final
+        if final.exists():
+            log.warning("the local copy of %s is not as its stamp says (altered): fetching it again", digest)
+            self.counts["altered"] += 1
+            await asyncio.to_thread(self._remove, digest)
         files = await self._manifest(digest)
         need = sum(item.size for item in files)
         async with self._room:
             await self._make_room(need, digest)
-            staging = Path(tempfile.mkdtemp(prefix=INCOMING_PREFIX, dir=self.root))
+            staging = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=INCOMING_PREFIX, dir=self.root))
             self._pending[digest] = need
         try:
-            for item in files:
+            for item in files:  # each one's size and blake3 checked: together they hash to DIGEST (parse)
                 await self._download(digest, item, staging)
-            try:
-                on_disk = tree_digest(staging, [item.entry for item in files])
-            except InvalidAdapter as exc:
-                raise FetchFailed("changed", str(exc)) from None
-            if on_disk != digest:
-                raise FetchFailed("changed", f"the fetched tree hashes to {on_disk[:16]}, not {digest[:16]}")
-            _publish(staging, self.root / digest)
+            await asyncio.to_thread(_publish, staging, final, self._stamp(digest))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise FetchFailed("disk-full", f"the local volume is full: {exc.strerror}") from None
             raise FetchFailed("disk-full", f"writing the local copy failed: {exc}") from None
         finally:
             self._pending.pop(digest, None)
-            shutil.rmtree(staging, ignore_errors=True)
-        return self.root / digest
+            await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
+        return final
+
+    def _stamp(self, digest: str) -> Path:
+        return self.root / STAMPS / f"{digest}.json"
+
+    def _intact(self, digest: str) -> bool:
+        """Whether ``<local>/<digest>/`` is here and exactly as this agent stamped it (run in a thread)."""
+        try:
+            stamp = json.loads(self._stamp(digest).read_bytes())
+            return bool(stamp == _entries(self.root / digest))
+        except (OSError, ValueError):
+            return False
+
+    def _remove(self, digest: str) -> None:
+        """Take ``<local>/<digest>/`` and its stamp away: gone from its path at once, then deleted."""
+        self._stamp(digest).unlink(missing_ok=True)
+        trash = Path(tempfile.mkdtemp(prefix=f"{EVICTING_PREFIX}{digest[:16]}-", dir=self.root))
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self.root / digest, trash / digest)
+        shutil.rmtree(trash, ignore_errors=True)
 
     async def _manifest(self, digest: str) -> list[FileEntry]:
         raw = await self._read(f"{digest}.json", "the manifest")
@@ -160,41 +191,34 @@ class Fetcher:
         except FileNotFoundError:
             raise FetchFailed("missing", f"{what} is missing from the object store") from None
         except BaseError as exc:
-            raise FetchFailed("unreachable", f"reading {what} failed: {_line(exc)}") from None
+            raise FetchFailed("unreachable", f"reading {what} failed: {describe(exc)}") from None
 
     async def _download(self, digest: str, item: FileEntry, staging: Path) -> None:
-        target = staging / item.relpath
-        target.parent.mkdir(parents=True, exist_ok=True)
-        content = blake3(max_threads=blake3.AUTO)
-        written = 0
+        """Stream ITEM into STAGING: each chunk hashed and written in a worker thread, then fsynced there."""
         try:
             answer = await obstore.get_async(self.client, f"{digest}/{item.relpath}")
-            out = _create(target)
+            sink = await asyncio.to_thread(_Sink, staging / item.relpath)
             try:
                 async for chunk in answer.stream(min_chunk_size=1 << 20):
-                    written += len(chunk)
-                    if written > item.size:
+                    if sink.written + len(chunk) > item.size:
                         raise FetchFailed("changed", f"{item.relpath!r} is longer than its manifest says")
-                    content.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+                    await asyncio.to_thread(sink.write, chunk)
+                await asyncio.to_thread(sink.flush)
             finally:
-                out.close()
+                await asyncio.to_thread(sink.out.close)
         except FileNotFoundError:
             raise FetchFailed("missing", f"{item.relpath!r} is missing from the object store") from None
         except BaseError as exc:
-            raise FetchFailed("unreachable", f"reading {item.relpath!r} failed: {_line(exc)}") from None
-        if written < item.size:
-            raise FetchFailed("truncated", f"{item.relpath!r} has {written} of its {item.size} bytes")
-        if content.hexdigest() != item.blake3:
+            raise FetchFailed("unreachable", f"reading {item.relpath!r} failed: {describe(exc)}") from None
+        if sink.written < item.size:
+            raise FetchFailed("truncated", f"{item.relpath!r} has {sink.written} of its {item.size} bytes")
+        if sink.content.hexdigest() != item.blake3:
             raise FetchFailed("changed", f"{item.relpath!r} does not hash to its manifest's blake3")
-        os.chmod(target, FILE_MODE)
 
     async def _make_room(self, need: int, digest: str) -> None:
         if need > self.budget_bytes:
             raise FetchFailed("budget", f"{need} bytes exceed the agent's disk budget ({self.budget_bytes})")
-        here = self.local()
+        here = await asyncio.to_thread(self.local)
         used = sum(here.values()) + sum(self._pending.values())
         if used + need <= self.budget_bytes:
             return
@@ -216,9 +240,7 @@ class Fetcher:
         for victim in candidates:
             if used + need <= self.budget_bytes:
                 break
-            trash = self.root / f"{EVICTING_PREFIX}{victim}"
-            os.rename(self.root / victim, trash)  # gone from its path at once, then deleted
-            shutil.rmtree(trash, ignore_errors=True)
+            await asyncio.to_thread(self._remove, victim)
             used -= here[victim]
             self.last_asked.pop(victim, None)
             log.info("evicted %s (%d bytes) for %s", victim, here[victim], digest)
@@ -226,12 +248,30 @@ class Fetcher:
             raise FetchFailed("budget", f"no room for {need} bytes: the rest is loaded or was just asked for")
 
 
-def _create(path: Path) -> BinaryIO:
-    return open(path, "xb")
+class _Sink:
+    """One file on its way in (its methods run in worker threads): every chunk is hashed and written in
+    the same pass, so the digest is of exactly the bytes on disk."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.out: BinaryIO = open(path, "xb")  # noqa: SIM115 (closed by the fetch, in a thread)
+        self.content = blake3(max_threads=blake3.AUTO)
+        self.written = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.content.update(chunk)
+        self.out.write(chunk)
+        self.written += len(chunk)
+
+    def flush(self) -> None:
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        os.chmod(self.out.name, FILE_MODE)
 
 
-def _publish(staging: Path, final: Path) -> None:
-    """Make the verified STAGING readable by the replica's user and rename it to FINAL, durably."""
+def _publish(staging: Path, final: Path, stamp: Path) -> None:
+    """Make the verified STAGING readable by the replica's user, rename it to FINAL durably, and write
+    FINAL's STAMP (its entries as they are now, after every chmod and the rename)."""
     for directory in {staging, *(p.parent for p in staging.rglob("*"))}:
         os.chmod(directory, DIR_MODE)
     _fsync(staging)
@@ -241,6 +281,20 @@ def _publish(staging: Path, final: Path) -> None:
         if not final.is_dir():  # another agent on this volume renamed the same verified bytes first
             raise
     _fsync(final.parent)
+    stamp.parent.mkdir(exist_ok=True)
+    fresh = stamp.with_suffix(f".{os.getpid()}.tmp")
+    fresh.write_text(json.dumps(_entries(final), sort_keys=True))
+    os.replace(fresh, stamp)
+
+
+def _entries(root: Path) -> dict[str, list[int]]:
+    """Every entry under ROOT (ROOT itself as ".", nothing followed): mode, size, mtime, ctime, inode."""
+    found = {}
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        name = path.relative_to(root).as_posix()
+        found[name] = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return found
 
 
 def _fsync(path: Path) -> None:
@@ -249,7 +303,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.adapters.objstore import Client, is_object_url, open_client
+from gateway.adapters.objclient import Client, is_object_url, open_client
 from gateway.agent.fetch import Fetcher, FetchFailed
 from gateway.core.errors import BadRequest, InvalidAdapter, KvgateError, Unauthorized
 from gateway.core.identity import check_digest
