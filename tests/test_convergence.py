@@ -4,10 +4,12 @@ Real redis-server (the session's), a stub replica, two real running kvgates (``b
 their snapshots are parted in each way a tool or an accident can part them: a change refused half way
 (its state written, its change-log entry refused: the issue's probe with an entry at the stream's
 largest id), a follower position beyond the end of a deleted log, a Redis restored from an older copy (a
-rewound log), a direct write to a state row, a check whose ``last`` is junk. Each time every kvgate
-serves what the table names within ``BOUND`` (docs/redis.md: one heartbeat and a full read, plus the
-follower's longest block for a change made just after a rewind) with ``/healthz`` 200 and its sync never
-restarted. A check whose sum is junk cannot be compared at all: ``/healthz`` answers 503 naming it.
+rewound log), a direct write to a state row (also with its 'drift' entry refused), a check whose
+``last`` is junk. Each time every kvgate serves what the table names within ``BOUND`` (docs/redis.md: one
+heartbeat and a full read, plus the follower's longest block for a change made just after a rewind) with
+``/healthz`` 200 and its sync never restarted. A check whose sum is junk, or a heartbeat Redis refuses
+(the check's rows overwritten with a string), leaves nothing to compare: ``/healthz`` answers 503 naming
+it, and 200 once repaired.
 """
 
 from __future__ import annotations
@@ -167,18 +169,70 @@ async def test_a_direct_write_to_a_state_row_reaches_every_running_kvgate(
 ) -> None:
     """A rollback to v1 by hand (HSET on the row, no script): the scrub logs it as drift."""
     async with fleet(redis, tmp_path, make_adapter) as kvgates:
-        v2 = await kvgates.table.read_state("tenant-42")
-        v1 = await kvgates.table.read_history("tenant-42")
-        assert v2 is not None
-        digest = v1[-1]["digest"]
-        versions = await redis.hget(keys.versions("tenant-42"), keys.version_field("base", digest))
-        assert versions is not None
-        name = f"tenant-42@{digest[:16]}"
-        stored = {"digest": digest, "name": name, "path": str(kvgates.store.root / digest),
-                  "epoch": v2.epoch + 1}  # fmt: skip
-        await redis.hset(keys.state("tenant-42"), mapping=stored)  # type: ignore[arg-type]
+        name = await rollback_by_hand(kvgates)
         await eventually(lambda: kvgates.converged(name), "both kvgates serve v1, as Redis", BOUND)
         await kvgates.healthy()
+
+
+async def rollback_by_hand(kvgates: Fleet) -> str:
+    """tenant-42's row set back to v1 with HSET, past every script; v1's versioned name."""
+    v2 = await kvgates.table.read_state("tenant-42")
+    assert v2 is not None
+    digest = (await kvgates.table.read_history("tenant-42"))[-1]["digest"]
+    name = f"tenant-42@{digest[:16]}"
+    stored = {"digest": digest, "name": name, "path": str(kvgates.store.root / digest), "epoch": v2.epoch + 1}
+    await kvgates.redis.hset(keys.state("tenant-42"), mapping=stored)  # type: ignore[arg-type]
+    return name
+
+
+async def test_a_direct_write_whose_drift_entry_the_log_refuses_reaches_every_running_kvgate(
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
+) -> None:
+    """The same rollback by hand with an entry at the stream's largest id: the scrub's 'drift' entry is
+    refused, so the log cannot carry it. Every kvgate serves it anyway (the scrub's rows and sum moved
+    before its refused XADD), or, where the heartbeat stays refused, /healthz says so."""
+    async with fleet(redis, tmp_path, make_adapter) as kvgates:
+        await redis.xadd(keys.LOG, {"x": "y"}, id=MAX_ID)
+        await eventually(lambda: kvgates.applied_malformed_entries(1), "both followers skipped the odd entry")
+        name = await rollback_by_hand(kvgates)
+
+        async def served_or_says_why() -> bool:
+            if await kvgates.converged(name):
+                return True
+            docs = [(await kvgates.health(url))[1] for url in kvgates.urls]
+            return all("Redis refuses the table's heartbeat" in " ".join(doc["failing"]) for doc in docs)
+
+        await eventually(served_or_says_why, "both kvgates serve v1 as Redis, or say why not", BOUND)
+
+
+async def test_a_heartbeat_redis_refuses_makes_healthz_503_naming_it(
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
+) -> None:
+    """The check's rows overwritten with a string: every heartbeat (its scrub) is refused, so no snapshot
+    can be checked; a refusal that is not Redis refusing every write is no pause to wait out."""
+    async with fleet(redis, tmp_path, make_adapter) as kvgates:
+        rows = await redis.dump(keys.ROWS)
+        assert rows is not None
+        await redis.set(keys.ROWS, "junk")
+
+        async def unready() -> bool:
+            docs = [await kvgates.health(url) for url in kvgates.urls]
+            return all(status == 503 and len(doc["failing"]) == 1 for status, doc in docs)
+
+        await eventually(unready, "every /healthz answers 503", within=LIMIT * INTERVAL + 3.0)
+        for url in kvgates.urls:
+            (reason,) = (await kvgates.health(url))[1]["failing"]
+            assert reason.startswith("background task snapshot-sync has been failing for "), reason
+            assert (
+                "EpochTableError: Redis refuses the table's heartbeat, so this snapshot cannot be" in reason
+            )
+            assert "WRONGTYPE" in reason
+        await redis.restore(keys.ROWS, 0, rows, replace=True)
+
+        async def ready() -> bool:
+            return all([(await kvgates.health(url))[0] == 200 for url in kvgates.urls])
+
+        await eventually(ready, "every /healthz answers 200 again", within=15)
 
 
 async def test_a_check_whose_last_is_junk_stops_no_sync(

@@ -18,13 +18,16 @@ from typing import Any
 
 import redis.exceptions
 
-from gateway.core.errors import MalformedRow
+from gateway.core.errors import EpochTableError, MalformedRow
 from gateway.core.model import VersionState
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.rows import parse_state
 
 START = "0-0"  # the position before the first entry
+WRITES_REFUSED = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+"""Redis refusing every write (``maxmemory``, a replica; and NOREPLICAS, MISCONF by their codes): the
+table cannot change either, so a heartbeat refused so is waited out like an outage, the snapshot kept."""
 
 
 def entry_id(position: str) -> tuple[int, int]:
@@ -163,11 +166,21 @@ class ChangeLog:
         return first is not None and entry_id(_text(first[0])) > entry_id(position)
 
     async def heartbeat(self, scrub_every_ms: int) -> Beat:
-        generation, checksum, last = await self.table.run(
-            "heartbeat",
-            [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
-            [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
-        )
+        """The table's check; ``EpochTableError`` when Redis refuses it for any other reason than refusing
+        every write: the snapshot cannot be checked (nor the scrub run), which must not pass for a pause."""
+        try:
+            generation, checksum, last = await self.table.run(
+                "heartbeat",
+                [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
+                [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
+            )
+        except redis.exceptions.ResponseError as exc:
+            if isinstance(exc, WRITES_REFUSED) or any(code in str(exc) for code in ("NOREPLICAS", "MISCONF")):
+                raise
+            raise EpochTableError(
+                f"Redis refuses the table's heartbeat, so this snapshot cannot be checked against the table: "
+                f"{str(exc).strip()[:200]}"
+            ) from exc
         try:
             total = int(checksum)
         except ValueError:

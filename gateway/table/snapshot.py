@@ -5,8 +5,8 @@ then it follows ``kvg:{epochs}:log`` with ``XREAD BLOCK`` from the last entry it
 with the changes, not with the table). A heartbeat every ``interval`` runs lua/heartbeat.lua and reads
 the log's ends: a new generation (Redis came back empty), a position the log no longer leads on from
 (``Ends.parted``: trimmed, or rewound) or a checksum that disagrees once the snapshot holds the check's
-``last`` (``Agreement``: a change refused half way) triggers a full read; a check it cannot read fails
-the heartbeat (the supervisor then makes ``/healthz`` 503). The bound: docs/redis.md, "Convergence".
+``last`` (``Agreement``: a change refused half way) triggers a full read; a check it cannot read or a
+heartbeat refused fails it (the supervisor then makes ``/healthz`` 503). Bound: docs/redis.md.
 Writes that bypass the scripts reach it as 'drift' entries the shared scrub logs. When the Redis
 connection drops, the snapshot is marked ``flushed``: it keeps serving what it had (a versioned name
 always means the same bytes, so a lagging snapshot serves the previous version coherently, never a mix),
