@@ -35,6 +35,7 @@ from gateway.core.errors import KvgateError
 from gateway.core.wire import VERSION_HEADER
 from gateway.serving import running
 from gateway.table import keys
+from gateway.table.changelog import START, Ends
 from gateway.table.epoch_table import EpochTable
 from gateway.table.snapshot import BLOCK_S
 from tests.conftest import MakeAdapter, eventually
@@ -280,3 +281,22 @@ async def test_a_check_whose_sum_is_junk_makes_healthz_503_naming_it(
             return all([(await kvgates.health(url))[0] == 200 for url in kvgates.urls])
 
         await eventually(ready, "every /healthz answers 200 again", within=15)
+
+
+@pytest.mark.parametrize(
+    ("ends", "position", "parted"),
+    [
+        (Ends("5-0", "1-0", "5-0"), "5-0", ""),  # current
+        (Ends("5-0", "1-0", "5-0"), "3-0", ""),  # behind, the entries after it held
+        (Ends("5-0", "1-0", "5-0"), "7-0", "rewound"),  # restored from an older copy, recreated lower
+        (Ends(START, None, None), "7-0", "rewound"),  # the log deleted
+        (Ends("9-0", "8-0", "9-0"), "5-0", "trimmed"),  # trimmed past the position
+        (Ends("9-0", "1-0", "5-0"), "5-0", "trimmed"),  # the entries after it deleted (XDEL)
+        (Ends("9-0", None, None), START, "trimmed"),  # every entry given after a full read at START gone
+        (Ends("9-0", "8-0", "9-0"), START, ""),  # from the START: the follower reads them (trimmed_past)
+    ],
+)
+def test_the_ways_a_position_parts_from_the_log(ends: Ends, position: str, parted: str) -> None:
+    """What each heartbeat checks the snapshot's position against: the cases no running follower can be
+    held in long enough to probe (it reads an entry within milliseconds of its XADD)."""
+    assert ends.parted(position) == parted
