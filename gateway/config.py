@@ -118,7 +118,8 @@ class Settings(BaseSettings):
     background_failure_limit: float = Field(5.0, gt=0)
     """Readiness: a background task that keeps failing (each restart, after a backoff, fails again) for
     longer than this many of its periods makes /healthz answer 503 naming it and its last error, until
-    it works again (a loop: one of its steps ends; a subscriber: it runs a whole period). Periods:
+    it works again (a loop: one of its steps ends; a subscriber: it runs a whole period; a task of several
+    loops: each loop that failed has stepped again). Periods:
     poll_interval (replica poll, adapter sweep), reconcile_interval (snapshot sync, API key sync,
     purger), lease_ttl / 4 (leases heartbeat), canary_interval (canary), rollout_gate_interval (rollout
     gate), 2 s (the embedded Redis's supervision: failing that long, restarts of redis-server that keep

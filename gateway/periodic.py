@@ -15,12 +15,16 @@ the embedded Redis too). A task runs beside a block::
 (and a return: a background task runs until cancelled) restarts it after a capped exponential backoff
 (``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends when
 the task works again: for a loop built on ``periodically``, when one of its steps ends without an error
-it cannot answer itself (each step reports to the supervised task it runs in); for a task that never
-reported a step (a subscriber that runs until cancelled), once a run has lasted a whole ``period``
-without failing. (Time alone would not do for a loop: a step that takes longer than the period to fail,
-a call that times out, would end its burst at every try and never count as failing.) The backoff then
-starts over. A burst is logged once (its first failure, with the traceback; its end, "running again"),
-and every restart is counted (``restarts``, exported as ``kvgate_background_restarts_total{task}``).
+it cannot answer itself (each step reports to the supervised task it runs in; a step that runs until
+cancelled, a subscriber, reports each round it makes with ``progressed``); for a task that never
+reported a step, once a run has lasted a whole ``period`` without failing. (Time alone would not do for
+a loop: a step that takes longer than the period to fail, a call that times out, would end its burst at
+every try and never count as failing.) A task made of several loops (a TaskGroup of ``periodically``)
+counts failure per loop: a loop whose step failed is *broken* until that loop completes a step again,
+and the burst ends only once no loop is broken, so a sibling's steps never hide a loop that keeps
+failing. The backoff then starts over. A burst is logged once (its first failure, with the traceback;
+its end, "running again"), and every restart is counted (``restarts``, exported as
+``kvgate_background_restarts_total{task}``).
 
 A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
 names it with its last error (``/healthz`` answers 503 with that reason) until it works again (above).
@@ -39,7 +43,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -68,6 +72,7 @@ class TaskState:
     burst: int = 0  # failures in the current burst
     unready_logged: bool = False  # this burst's readiness failure was logged
     steps: bool = False  # it reports its steps (``periodically``): only a step ends a burst
+    broken: set[str] = field(default_factory=set)  # its loops whose last step failed (by step name)
 
     def worked(self) -> None:
         """The burst, if any, is over: the task did its work again."""
@@ -77,6 +82,12 @@ class TaskState:
                 self.name, self.burst, self.failing_for(time.monotonic()),
             )  # fmt: skip
         self.failing_since, self.burst, self.unready_logged = None, 0, False
+
+    def stepped(self, loop: str) -> None:
+        """LOOP completed a step: the burst is over once no loop of this task is broken."""
+        self.broken.discard(loop)
+        if not self.broken:
+            self.worked()
 
     def failing_for(self, now: float) -> float:
         return 0.0 if self.failing_since is None else now - self.failing_since
@@ -94,6 +105,8 @@ class TaskState:
 
 _RUNNING: contextvars.ContextVar[TaskState] = contextvars.ContextVar("kvgate_supervised_task")
 """The supervised task the current code runs in (set in the task's own context)."""
+_LOOP: contextvars.ContextVar[str] = contextvars.ContextVar("kvgate_periodic_loop")
+"""The ``periodically`` loop the current code runs in (its step's name; set in the loop's own task)."""
 
 
 class Supervisor:
@@ -224,6 +237,8 @@ async def periodically(
     connection error; if this task is being cancelled, that error ends the loop as a cancellation.
     """
     supervised = _RUNNING.get(None)
+    loop = getattr(step, "__qualname__", repr(step))
+    _LOOP.set(loop)  # this task's own context: a sibling loop sets its own
     if supervised is not None:
         supervised.steps = True
     while True:
@@ -232,10 +247,21 @@ async def periodically(
         except survive as exc:
             raise_if_cancelling(exc)
             on_error(exc)
+        except Exception:
+            if supervised is not None:  # until this loop steps again, its siblings' steps end no burst
+                supervised.broken.add(loop)
+            raise
         raise_if_cancelling()
-        if supervised is not None:  # a step done, or an error the loop answers itself: it works
-            supervised.worked()
+        progressed()  # a step done, or an error the loop answers itself: it works
         await asyncio.sleep(interval)
+
+
+def progressed() -> None:
+    """The ``periodically`` loop this runs in works: a step that runs until cancelled (a subscriber)
+    calls it at each round, as ``periodically`` does at the end of each step."""
+    supervised, loop = _RUNNING.get(None), _LOOP.get(None)
+    if supervised is not None and loop is not None:
+        supervised.stepped(loop)
 
 
 def raise_if_cancelling(cause: BaseException | None = None) -> None:

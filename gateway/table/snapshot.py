@@ -2,9 +2,11 @@
 
 ``SnapshotSync`` keeps it fresh from the change log (changelog.py): one full read at start (paged),
 then it follows ``kvg:{epochs}:log`` with ``XREAD BLOCK`` from the last entry it applied (work grows
-with the changes, not with the table). A heartbeat every ``interval`` runs lua/heartbeat.lua: a new
-generation (Redis came back empty) or a checksum that disagrees with the snapshot, once it has read the
-log up to the newest entry, triggers a full read; so does a position that fell off the trimmed log.
+with the changes, not with the table). A heartbeat every ``interval`` runs lua/heartbeat.lua and reads
+the log's ends: a new generation (Redis came back empty), a position the log no longer leads on from
+(``Ends.parted``: trimmed, or rewound) or a checksum that disagrees once the snapshot holds the check's
+``last`` (``Agreement``: a change refused half way) triggers a full read; a check it cannot read or a
+heartbeat refused fails it (the supervisor then makes ``/healthz`` 503). Bound: docs/redis.md.
 Writes that bypass the scripts reach it as 'drift' entries the shared scrub logs. When the Redis
 connection drops, the snapshot is marked ``flushed``: it keeps serving what it had (a versioned name
 always means the same bytes, so a lagging snapshot serves the previous version coherently, never a mix),
@@ -28,9 +30,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from gateway.core.model import TableView, VersionState
-from gateway.periodic import periodically, raise_if_cancelling
+from gateway.periodic import periodically, progressed, raise_if_cancelling
 from gateway.table import keys
-from gateway.table.changelog import START, Beat, ChangeLog, Entry, _text, entry_id
+from gateway.table.changelog import START, Agreement, ChangeLog, Entry, _text, entry_id
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.hints import ReplicaHint, ReplicaHints
 from gateway.table.reseed import Reseeder
@@ -135,7 +137,7 @@ class SyncCounts:
     """What the sync did since it started (tests and the scale loadtest read these)."""
 
     full_reads: collections.Counter[str] = field(default_factory=collections.Counter)
-    """By reason: start, generation, trimmed (the position fell off the log), checksum."""
+    """By reason: start, generation, trimmed, rewound (``Ends.parted``), checksum."""
     heartbeats: int = 0
     entries: int = 0  # change-log entries applied
     drift: int = 0  # of them, 'drift' entries: the scrub saw a write that bypassed the scripts
@@ -161,7 +163,7 @@ class SnapshotSync:
         self.counts = SyncCounts()
         self.metrics = metrics
         self._reading = asyncio.Lock()  # full reads, log entries and heartbeats: one at a time
-        self._checked_at = ""  # the position a checksum mismatch was last answered with a full read
+        self._agreement = Agreement()
         self._beat: tuple[str, float] | None = None  # (newest entry, monotonic time) of a beat not caught up
 
     async def reconcile(self, reason: str = "start") -> None:
@@ -183,6 +185,7 @@ class SnapshotSync:
             return False
         snapshot = self.snapshot
         snapshot.restore(saved)  # not current until Redis says so
+        self._agreement.unchanged = [saved.position]
         while entries := await self.log.read(snapshot.position, block_ms=None):
             if await self.log.trimmed_past(snapshot.position):
                 return self._set_aside(file, "trimmed", f"the log no longer reaches back to {saved.position}")
@@ -191,12 +194,13 @@ class SnapshotSync:
         beat = await self.log.heartbeat(scrub_every_ms=int(self.interval * 1000))
         if beat.generation != snapshot.generation:
             return self._set_aside(file, "generation", f"the table became {beat.generation!r} meanwhile")
-        if entry_id(beat.last) < entry_id(snapshot.position):  # Redis restored from an older copy, say
-            return self._set_aside(file, "ahead", f"the log ends at {beat.last}, before the file's position")
-        if self._disagrees(beat):
+        if parted := (ends := await self.log.ends()).parted(position := snapshot.position):  # an older copy
+            return self._set_aside(file, "ahead" if parted == "rewound" else "trimmed",
+                                   f"the log was {parted} ({ends.last_id}) past {position}")  # fmt: skip
+        if self._agreement.disagrees(beat, snapshot.checksum):
             return self._set_aside(file, "checksum", "caught up, its rows' checksum is not the table's")
         snapshot.flushed = False
-        self._confirm(beat.last, time.monotonic())
+        self._confirm(ends.last_id, time.monotonic())
         file.count("loaded")
         file.written = (saved.generation, saved.position)
         log.info("started from %s (%d IDs at %s, %.0f s old), caught up to %s", file.path, snapshot.size(),
@@ -224,11 +228,11 @@ class SnapshotSync:
             self.metrics.full_reads.labels(reason).inc()
         if reason != "start":
             log.warning("reading the epoch table in full: %s", reason)
-        position = await self.log.head()
+        position, logged = await self.log.head(), await self.log.logged()
         view = await self.table.read_all()
         new_table = bool(self.snapshot.generation) and view.generation != self.snapshot.generation
         if new_table and self.reseeder and await self.reseeder.reseed(self.snapshot, view.generation):
-            position = await self.log.head()
+            position, logged = await self.log.head(), await self.log.logged()
             view = await self.table.read_all()  # with what was re-seeded
         for logical_id, reason in view.malformed.items():
             if self.snapshot.malformed.get(logical_id) != reason:
@@ -237,6 +241,7 @@ class SnapshotSync:
                 if self.metrics is not None:
                     self.metrics.malformed_rows.labels("state").inc()
         self.snapshot.replace(view, position)
+        self._agreement.unchanged = [logged, position]
         self._beat = None
 
     async def run(self) -> None:
@@ -270,17 +275,19 @@ class SnapshotSync:
         async with self._reading:
             if self.counts.full_reads.total() != reads:  # one ran while the beat was on its way: it is newer
                 return
+            ends = await self.log.ends()  # the follower waits: the position cannot move meanwhile
             if not self.snapshot.position:
                 await self._full_read("start")
             elif beat.generation != self.snapshot.generation and not self.snapshot.generation:
                 self.snapshot.generation = beat.generation  # the table was made after an empty read: logged
             elif beat.generation != self.snapshot.generation:
                 await self._full_read("generation")
-            elif self._disagrees(beat):
-                self._checked_at = beat.last
+            elif parted := ends.parted(self.snapshot.position):  # logged: "reading ... in full: rewound"
+                await self._full_read(parted)
+            elif self._agreement.disagrees(beat, self.snapshot.checksum):
                 await self._full_read("checksum")
             self.snapshot.flushed = False
-            self._confirm(beat.last, time.monotonic())
+            self._confirm(ends.last_id, time.monotonic())
 
     def _confirm(self, last: str, at: float) -> None:
         """The table's newest entry was LAST at AT: if the snapshot has applied it, it was current then;
@@ -296,13 +303,6 @@ class SnapshotSync:
         if self._beat is not None:
             self._confirm(*self._beat)
 
-    def _disagrees(self, beat: Beat) -> bool:
-        """The snapshot has read the log up to the table's newest entry, yet holds other rows. Once a full
-        read at that position disagrees too, the table itself was written past the scripts: the scrub
-        logs that as drift, so no second full read."""
-        caught_up = beat.last == self.snapshot.position
-        return caught_up and beat.checksum != self.snapshot.checksum and self._checked_at != beat.last
-
     async def _follow(self) -> None:
         """Apply the log's entries as they come, from the snapshot's position."""
         while True:
@@ -311,6 +311,7 @@ class SnapshotSync:
                 await self.heartbeat()
             position = self.snapshot.position
             entries = await self.log.read(position, block_ms=int(self.block * 1000))
+            progressed()  # following: this loop works
             if not entries:
                 continue
             async with self._reading:
@@ -331,11 +332,13 @@ class SnapshotSync:
                 self.metrics.malformed_rows.labels("change_log").inc()
             log.error("epoch table: skipped a malformed change-log entry: %s", entry.malformed)
             self.snapshot.position = entry.position
+            self._agreement.applied(entry.position, changed=False)
             return
         self.counts.entries += 1
         if self.metrics is not None:
             self.metrics.log_entries.labels(entry.action).inc()
         self.snapshot.position = entry.position
+        self._agreement.applied(entry.position, changed=True)
         held = self.snapshot.get(entry.logical_id)
         if entry.action == "drift":
             self.counts.drift += 1

@@ -162,8 +162,10 @@ class Metrics:
         )
         self.full_reads = Counter(
             "kvgate_table_full_reads",
-            "Full reads of the epoch table by reason: start, generation, trimmed (fell off the change log), "
-            "checksum (the heartbeat's checksum disagreed)",
+            "Full reads of the epoch table by reason: start, generation, trimmed (fell off the change log, "
+            "or entries after the position were removed), rewound (the log's newest id is before the "
+            "position: deleted, rewound, Redis restored from an older copy), checksum (the heartbeat's "
+            "checksum disagreed)",
             ["reason"],
             registry=r,
         )
