@@ -18,10 +18,12 @@ ARGV[1]  now (ms)     ARGV[2] scrub interval (ms)     ARGV[3] scrub page (IDs)  
 ARGV[5]  the state keys' prefix (kvg:{epochs}:state:, then the ID)
 
 Returns {generation ('' when there is none), sum, last ('0-0' before the first entry)}; {CODE.MALFORMED, why}
-when refused, nothing written (lua/lib/common.lua): a key of another type, the check's sum, last, cursor or
-rounds not what the scripts write, the log at its last possible id (a drift entry could not follow).
+when refused, nothing written (lua/lib/common.lua): a key of another type, the check's sum, cursor or
+rounds not what the scripts write, or a drift entry to append to a log at its last possible id (without
+drift the log is only read: the kvgates go on checking their snapshots; the check's last is only returned,
+kvgate reads it). Every kvgate whose heartbeat is refused says so on /healthz (docs/redis.md).
 ]]
-local why = odd_logged({{KEYS[1], 'string'}, {KEYS[3], 'set'}}, KEYS[5], KEYS[4], KEYS[2],
+local why = odd_logged_keys({{KEYS[1], 'string'}, {KEYS[3], 'set'}}, KEYS[5], KEYS[4], KEYS[2],
   {{1, 'now (ms)'}, {2, 'scrub interval (ms)'}, {3, 'scrub page'}, {4, 'log entries kept'}})
 if why then
   return refuse(why)
@@ -30,18 +32,15 @@ local check = redis.call('HMGET', KEYS[2], 'scrub_cursor', 'scrub_at_ms', 'sum',
 if check[1] and not (string.match(check[1], '^%d+$') and string.len(check[1]) < 20) then
   why = KEYS[2] .. ' field scrub_cursor is ' .. string.format('%q', check[1]) .. ', not an SSCAN cursor'
 end
-if not why and check[4] and not string.match(check[4], '^%d+%-%d+$') then
-  why = KEYS[2] .. ' field last is ' .. string.format('%q', check[4]) .. ', not a stream id'
-end
 why = why or odd_count(KEYS[2], 'scrub_rounds', check[5], EXACT, '2^53')
 if why then
   return refuse(why)
 end
 if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
   local page = redis.call('SSCAN', KEYS[3], check[1] or '0', 'COUNT', ARGV[3])
+  local drifted = {}  -- read first: a drift entry the log cannot take is refused before any write
   for _, id in ipairs(page[2]) do
-    local key = ARGV[5] .. id
-    local s = redis.pcall('HMGET', key, 'digest', 'epoch', 'base', 'name', 'path', 'base_print',
+    local s = redis.pcall('HMGET', ARGV[5] .. id, 'digest', 'epoch', 'base', 'name', 'path', 'base_print',
       unpack(CANDIDATE_FIELDS))
     if s.err then
       s = {}
@@ -49,8 +48,15 @@ if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
     local cand = {s[7], s[8], s[9], s[10], s[11], s[12]}
     local row = row_hash(id, s[1], s[2], s[3], s[4], s[5], s[6], cand)
     if row ~= tonumber(redis.call('HGET', KEYS[4], id) or '0') then
-      log_change(key, KEYS[5], KEYS[4], KEYS[2], id, 'drift', ARGV[4])
+      drifted[#drifted + 1] = id
     end
+  end
+  why = #drifted > 0 and odd_log_full(KEYS[5])
+  if why then
+    return refuse(why)
+  end
+  for _, id in ipairs(drifted) do
+    log_change(ARGV[5] .. id, KEYS[5], KEYS[4], KEYS[2], id, 'drift', ARGV[4])
   end
   redis.call('HSET', KEYS[2], 'scrub_cursor', page[1], 'scrub_at_ms', ARGV[1])
   if page[1] == '0' then

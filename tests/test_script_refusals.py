@@ -178,6 +178,11 @@ async def _log_at_its_last_id(redis: Redis) -> None:
     await redis.xadd(keys.LOG, {"x": "y"}, id=LAST_ID)
 
 
+async def _drift_over_a_full_log(redis: Redis) -> None:
+    await _log_at_its_last_id(redis)
+    await redis.hset(keys.state(ID), "epoch", "7")  # a write that bypassed the scripts: the scrub's drift
+
+
 async def _no_candidate_name(redis: Redis) -> None:
     await redis.hdel(keys.state(ID), "cand_name")
 
@@ -208,11 +213,15 @@ EXTRA: dict[str, dict[str, Plant]] = {
     "promote_candidate": {**LOGGED_PLANTS, **EPOCH_PLANTS, "candidate without its name": _no_candidate_name},
     "abort_rollout": LOGGED_PLANTS,
     "heartbeat": {
-        **LOGGED_PLANTS,
+        **{what: plant for what, plant in LOGGED_PLANTS.items() if plant is not _log_at_its_last_id},
+        "log at its last id, a drift to log": _drift_over_a_full_log,
         "scrub cursor junk": _hset(keys.CHECK, "scrub_cursor", "junk"),
-        "last junk": _hset(keys.CHECK, "last", "junk"),
         "scrub rounds junk": _hset(keys.CHECK, "scrub_rounds", "junk"),
     },
+}
+HEARTBEAT_READS: dict[str, Plant] = {  # only read by the heartbeat: it goes on, kvgate reads them
+    "log at its last id, no drift": _log_at_its_last_id,
+    "last junk": _hset(keys.CHECK, "last", "junk"),
 }
 
 
@@ -265,6 +274,19 @@ async def test_a_refused_call_changes_no_key(
     assert await everything(redis) == before, f"{script} refused ({caught.value}) after writing"
     assert isinstance(caught.value, ScriptRefused), f"{script}: {caught.value!r}"
     assert caught.value.status == 500
+
+
+@pytest.mark.parametrize("what", sorted(HEARTBEAT_READS))
+async def test_a_heartbeat_goes_on_over_what_it_only_reads(
+    table: EpochTable, redis: Redis, what: str
+) -> None:
+    """Refusing these would make every kvgate unready over a value no heartbeat writes: it scrubs on."""
+    call = CALLS["heartbeat"]
+    await SETUPS[call.setup](table, redis)
+    await HEARTBEAT_READS[what](redis)
+    rounds = int(await redis.hget(keys.CHECK, "scrub_rounds") or 0)
+    await table.run(call.script, call.keys, call.args)
+    assert int(await redis.hget(keys.CHECK, "scrub_rounds") or 0) == rounds + 1
 
 
 def test_a_publish_over_a_log_at_its_last_id_changes_nothing_and_says_why_in_one_line(

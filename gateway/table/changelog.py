@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.exceptions
 
-from gateway.core.errors import EpochTableError, MalformedRow
+from gateway.core.errors import EpochTableError, MalformedRow, ScriptRefused
 from gateway.core.model import VersionState
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
@@ -174,9 +174,9 @@ class ChangeLog:
                 [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
                 [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
             )
-        except redis.exceptions.ResponseError as exc:
-            if _refuses_every_write(exc):  # maxmemory, a replica...: the table cannot change either,
-                raise  # so it is waited out like an outage, the snapshot kept
+        except (redis.exceptions.ResponseError, ScriptRefused) as exc:  # the script's own refusal too
+            if isinstance(exc, redis.exceptions.ResponseError) and _refuses_every_write(exc):
+                raise  # maxmemory, a replica...: the table cannot change either, so it is waited out
             raise EpochTableError(
                 f"Redis refuses the table's heartbeat, so this snapshot cannot be checked against the table: "
                 f"{str(exc).strip()[:200]}"

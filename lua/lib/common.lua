@@ -209,20 +209,8 @@ local SUM_LIMIT = 2 ^ 63 - 2 ^ 41  -- a sum this far inside int64 takes any row'
 -- direct XADD: kvgate's ids are the clock's) is refused: a script's XADDs could run out of ids half way.
 local LAST_MS = '18446744073709551615'
 
--- Why a logged change (log_change) could fail half way, or nil: one of KINDS (the script's own keys,
--- {key, type}, ...) or the change log's keys (LOG, ROWS, CHECK) of another type, CHECK's sum no count
--- to add a row to, LOG at its last possible millisecond, or one of ARGS (the script's whole-number
--- arguments, {index, what}, ...) not a number.
-local function odd_logged(kinds, log, rows, check, args)
-  local all = {{log, 'stream'}, {rows, 'hash'}, {check, 'hash'}}
-  for _, kind in ipairs(kinds) do
-    all[#all + 1] = kind
-  end
-  local why = odd_args(args) or odd_types(all)
-    or odd_count(check, 'sum', redis.call('HGET', check, 'sum'), SUM_LIMIT, '(2^63 - 2^41)')
-  if why then
-    return why
-  end
+-- Why LOG can take no more entries (its last id in its last possible millisecond), or nil.
+local function odd_log_full(log)
   if redis.call('EXISTS', log) == 1 then
     local info = redis.call('XINFO', 'STREAM', log)
     for i = 1, #info, 2 do
@@ -233,6 +221,25 @@ local function odd_logged(kinds, log, rows, check, args)
     end
   end
   return nil
+end
+
+-- odd_logged without the full log: the keys' types, the arguments and the sum (what the heartbeat needs
+-- before its read-only part; it checks odd_log_full only once it has a drift entry to append).
+local function odd_logged_keys(kinds, log, rows, check, args)
+  local all = {{log, 'stream'}, {rows, 'hash'}, {check, 'hash'}}
+  for _, kind in ipairs(kinds) do
+    all[#all + 1] = kind
+  end
+  return odd_args(args) or odd_types(all)
+    or odd_count(check, 'sum', redis.call('HGET', check, 'sum'), SUM_LIMIT, '(2^63 - 2^41)')
+end
+
+-- Why a logged change (log_change) could fail half way, or nil: one of KINDS (the script's own keys,
+-- {key, type}, ...) or the change log's keys (LOG, ROWS, CHECK) of another type, CHECK's sum no count
+-- to add a row to, LOG at its last possible millisecond, or one of ARGS (the script's whole-number
+-- arguments, {index, what}, ...) not a number.
+local function odd_logged(kinds, log, rows, check, args)
+  return odd_logged_keys(kinds, log, rows, check, args) or odd_log_full(log)
 end
 
 -- Why STATE's epoch (EPOCH as read) cannot be counted on by HINCRBY, or nil.
