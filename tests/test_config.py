@@ -83,6 +83,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "background_failure_limit": ("3", 3.0),
     "change_log_length": ("500", 500),
     "scrub_page": ("250", 250),
+    "table_max_staleness": ("30", 30.0),
     "snapshot_file_interval": ("2.5", 2.5),
     "drain_grace": ("5", 5.0),
     "max_drain": ("50", 50.0),
