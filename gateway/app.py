@@ -19,7 +19,6 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -70,6 +69,7 @@ from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
 from gateway.request.boundary import ServerLog, openai_errors
 from gateway.request.drain import Drain
+from gateway.request.health import Health, Views, add_tasks, age, staleness_reason
 from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
@@ -150,10 +150,11 @@ def build_app(
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
-        body, ready = local_health(app)
+        health = local_health(app)
         if SIBLINGS in app:
-            body, ready = await app[SIBLINGS].health(body, ready)
-        return web.json_response(body, status=200 if ready else 503)
+            health = await app[SIBLINGS].health(health)
+        detailed = request.app is not app or app[ADMIN].allows(request)  # the admin listener, or the token
+        return web.json_response(health.view(detailed), status=200 if health.ready else 503)
 
     def api_routes(target: web.Application) -> None:
         target.router.add_get("/v1/models", models_handler)
@@ -174,23 +175,54 @@ def build_app(
     return app
 
 
-def local_health(app: web.Application) -> tuple[dict[str, Any], bool]:
-    """This process's /healthz body and readiness (with --workers, a worker's own; siblings.py sums)."""
-    pool, snapshot, supervisor = app[POOL], app[SNAPSHOT], app[SUPERVISOR]
-    failing = supervisor.failing()  # a task that keeps failing: its state no longer moves
-    body = {
-        "replicas_healthy": len(pool.healthy()),
-        "replicas": len(pool.replicas),
-        "snapshot_flushed": snapshot.flushed,
-        "logical_ids": len(snapshot.current_names()),
-        "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
-        "draining": app[DRAIN].draining,
-        **({"api_keys": app[CALLERS].health()} if CALLERS in app else {}),
-        "background": supervisor.health(),
-        "kv_events": followers_health(app.get(KV_FOLLOWERS, {}), app[PROXY].replica_names),
-        "failing": failing,
-    }
-    return body, bool(pool.healthy()) and not app[DRAIN].draining and not failing
+def local_health(app: web.Application) -> Health:
+    """This process's /healthz: readiness, its reasons and both views (``request.health``; with
+    --workers, a worker's own: siblings.py merges)."""
+    settings, pool, snapshot, drain = app[SETTINGS], app[POOL], app[SNAPSHOT], app[DRAIN]
+    views, unready = Views(), []
+    healthy = len(pool.healthy())
+    views.add("replicas_healthy", healthy)
+    views.add("replicas", len(pool.replicas))
+    if not healthy:
+        unready.append(f"no healthy replica (of {len(pool.replicas)}): no base is served")
+    views.add("snapshot_flushed", snapshot.flushed)
+    views.add("logical_ids", len(snapshot.current_names()))
+    table = views.section("table")
+    table.add("generation", snapshot.generation)
+    table.add("age_s", age(snapshot.staleness()))  # since the snapshot was last confirmed current
+    table.add("followed", not snapshot.flushed)  # the change log is followed (Redis answers)
+    table.add("max_age_s", settings.table_max_staleness)
+    for key, value in app[RESEEDER].health().items():
+        table.add(key, value)
+    table.add("malformed_rows", len(snapshot.malformed), detail=dict(snapshot.malformed))
+    if settings.table_max_staleness is not None and (
+        why := staleness_reason("the epoch table", snapshot.staleness(), "table_max_staleness",
+                                settings.table_max_staleness)
+    ):  # fmt: skip
+        unready.append(why)
+    views.add("draining", drain.draining)
+    if drain.draining:
+        unready.append("draining (shutting down): send requests to another kvgate")
+    if CALLERS in app:
+        callers, keys = app[CALLERS], views.section("api_keys")
+        for key, value in callers.health().items():
+            if key == "malformed":  # key id -> why: the ids for the detail view only
+                keys.add(key, len(value), detail=value)
+            else:
+                keys.add(key, value)
+        keys.add("age_s", age(callers.staleness()))
+        keys.add("max_age_s", callers.max_staleness)
+        if why := staleness_reason("API keys", callers.staleness(), "auth_max_staleness",
+                                   callers.max_staleness, ": every keyed request gets 503"):  # fmt: skip
+            unready.append(why)
+    failing = add_tasks(views, app[SUPERVISOR])  # a task that keeps failing: its state no longer moves
+    unready += [f"background task {name} keeps failing" for name in failing]
+    followers = app.get(KV_FOLLOWERS, {})
+    following = sum(1 for follower in followers.values() if follower.connected)
+    streams = followers_health(followers, app[PROXY].replica_names)  # names replicas, with their errors
+    views.add("kv_events", {"streams": len(followers), "following": following}, detail=streams)
+    views.add("unready", unready)
+    return Health(not unready, views.public, views.detail)
 
 
 def _epoch_changed(app: web.Application, logical_id: str) -> None:

@@ -123,7 +123,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     try:
         return load_settings(flag_overrides(args, args.command), config_file)
     except ValidationError as exc:
-        raise BadRequest(describe_invalid(exc)) from exc
+        raise BadRequest(describe_invalid(exc, Settings.model_fields.keys())) from exc
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
@@ -187,8 +187,6 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
             f"the store is an object store: every replica needs a kvgate agent (replica_agents); "
             f"none for {', '.join(alone)}"
         )
-    for warning in unknown_environment(os.environ):
-        logging.getLogger("gateway").warning("%s", warning)
     count = worker_count(settings)
     if count > 1:  # a parent of `count` workers (gateway/workers.py), each running `serve` below
         await run_workers(settings, tracing, count, args.argv)
@@ -269,6 +267,9 @@ COMMANDS: dict[str, Command] = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --workers' workers are started with
+    if unknown := unknown_environment(os.environ):  # config fails closed: a typo must not mean a default
+        print("\n".join(f"kvgate {args.command}: {line}" for line in unknown), file=sys.stderr)
+        return 2
     if args.command == "script":  # needs no settings and no Redis: the text Redis would run
         print(assemble_script(args.name), end="")
         return 0

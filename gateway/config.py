@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     scrub_page: int = Field(1_000, ge=1)
     """Logical IDs the shared scrub re-reads per heartbeat: a write that bypasses kvgate's scripts is in
     every snapshot within ceil(B / scrub_page) + 1 heartbeats (B: the next power of two >= IDs)."""
+    table_max_staleness: float | None = Field(None, gt=0)
+    """Readiness: /healthz answers 503 while this kvgate's snapshot of the epoch table has not been
+    confirmed current for longer than this many seconds (Redis unreachable, or the sync failing). Unset
+    (the default): a stale snapshot alone never makes kvgate unready; it serves the previous version
+    coherently, and every kvgate of a fleet going unready together in a Redis outage would be an
+    outage. The table's age is on /healthz either way (``table.age_s``)."""
     snapshot_file_interval: float = Field(10.0, ge=0)
     """Seconds between writes of the snapshot file (data_dir/snapshot.msgpack, when it moved): a start
     loads it and catches up from the change log instead of reading the whole table; 0: no file."""
@@ -197,7 +203,8 @@ class Settings(BaseSettings):
     auth: Literal["off", "api-keys"] = "off"
     """Callers: off (anyone may use any logical ID) or api-keys (``Authorization: Bearer``: kvgate keys)."""
     auth_max_staleness: float = Field(60.0, gt=0)
-    """With api-keys: seconds kvgate trusts its copy of the keys while Redis is unreachable (then 503)."""
+    """With api-keys: seconds kvgate trusts its copy of the keys while Redis is unreachable (then every
+    keyed request gets 503, and so does /healthz: kvgate cannot serve what it accepts)."""
     admin_host: str = "127.0.0.1"
     """Address of the admin listener (see admin_port)."""
     admin_port: int | None = Field(None, ge=0, le=65535)

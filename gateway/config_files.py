@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise refused(f"is not valid TOML ({exc})") from None
 
 
-def describe_invalid(exc: ValidationError) -> str:
-    """One line for an operator: each refused setting and why (never the value: it may be a secret)."""
+def describe_invalid(exc: ValidationError, settings: Collection[str] = ()) -> str:
+    """One line for an operator: each refused setting and why (never the value: it may be a secret);
+    a key that is no setting with the nearest of ``settings``."""
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
         why = " ".join(error["msg"].removeprefix("Value error, ").split())
+        nearest = difflib.get_close_matches(where, settings, n=1)
+        if error["type"] == "extra_forbidden" and nearest:
+            why = f"not a kvgate setting (did you mean {nearest[0]}?)"
         problems.append(f"{where}: {why}" if where else why)
     return "invalid settings: " + "; ".join(problems)

@@ -20,7 +20,16 @@ from pydantic import SecretStr
 
 from gateway import generated_docs
 from gateway.config import Settings
-from gateway.settings_table import COMMANDS, default, description, env_var, flag, markdown, setting_names
+from gateway.settings_table import (
+    COMMANDS,
+    NOT_SETTINGS,
+    default,
+    description,
+    env_var,
+    flag,
+    markdown,
+    setting_names,
+)
 
 TITLE = "# Configuration reference\n"
 COMMAND = "python -m gateway.config_reference --write docs/configuration.md"
@@ -129,9 +138,25 @@ def at_a_glance() -> str:
     return table
 
 
+def not_settings() -> str:
+    """The ``KVGATE_*`` variables that are no setting (settings_table.NOT_SETTINGS); any other refuses."""
+    listed = "\n".join(f"| `{name}` | {what} |" for name, what in NOT_SETTINGS.items())
+    return (
+        "## Variables that are not settings\n\n"
+        "Every command refuses to start (exit 2, one line naming the variable and the nearest setting)\n"
+        "on a `KVGATE_*` environment variable that names no setting, as on a TOML key that names none:\n"
+        "a typo (`KVGATE_AUHT=api-keys`) must not leave its setting at the default. These are read\n"
+        "elsewhere and pass, as do the variables Kubernetes sets for a Service named `kvgate` or\n"
+        "`kvgate-*` (`KVGATE_SERVICE_HOST`, `KVGATE_SERVICE_PORT_HTTP`, `KVGATE_PORT_80_TCP_ADDR`...).\n"
+        "Kubernetes sets `KVGATE_PORT=tcp://...` too: set `KVGATE_PORT` (and `KVGATE_ADMIN_PORT`) in\n"
+        "the container, as deploy/ does, and the container's value wins.\n\n"
+        f"| variable | read by |\n| --- | --- |\n{listed}\n"
+    )
+
+
 def document() -> str:
     sections = [section(name) for name in Settings.model_fields]
-    parts = [HEADER, f"## Settings\n\n{at_a_glance()}", *sections, rules()]
+    parts = [HEADER, f"## Settings\n\n{at_a_glance()}", *sections, rules(), not_settings()]
     return TITLE + "\n" + generated_docs.checked("\n".join(parts), command=COMMAND, test=TEST) + "\n"
 
 

@@ -208,6 +208,10 @@ class Supervisor:
     def restart_counts(self) -> dict[str, int]:
         return {name: state.restarts for name, state in self.tasks.items()}
 
+    def failing_tasks(self) -> list[str]:
+        """The names of the tasks ``failing`` gives reasons for (what anonymous ``/healthz`` shows)."""
+        return [state.name for state in self.tasks.values() if self._over_limit(state)]
+
     async def wait_fatal(self) -> str:
         """Until a fatal task is failing; its reason."""
         await self._fatal.wait()

@@ -6,6 +6,8 @@ The table heads docs/configuration.md (``python -m gateway.config_reference --wr
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,15 +86,37 @@ def env_var(name: str) -> str:
     return f"{Settings.model_config.get('env_prefix', '')}{name}".upper()
 
 
+NOT_SETTINGS = {
+    "KVGATE_CONFIG": "the TOML config file (--config)",
+    "KVGATE_VLLM_PYTHON": "tests and make: the vLLM CPU virtualenv's python",
+    "KVGATE_FIXTURE_DIR": "tests and make: the tiny model and adapters",
+    "KVGATE_OTHER_BASE_DIR": "tests and make: a second base model",
+    "KVGATE_SCREENSHOT": "tests: where the status page's screenshot is written",
+    "KVGATE_ROLLOUT_SCREENSHOT": "tests: where the rollout view's screenshot is written",
+}
+"""The ``KVGATE_*`` variables that are not settings, and what reads them (docs/configuration.md)."""
+SERVICE_LINK = re.compile(r"KVGATE(_\w+)?_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_\w+)?)")
+"""What Kubernetes sets for a Service named ``kvgate`` or ``kvgate-*`` (``KVGATE_SERVICE_HOST``,
+``KVGATE_PORT_80_TCP_ADDR``...) in every pod of its namespace: never a typo of a setting."""
+
+
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
-    """A warning per ``KVGATE_*`` variable that names no setting (a typo such as ``KVGATE_AUHT`` would
-    otherwise leave its setting at the default without a word)."""
-    known = {env_var(name) for name in Settings.model_fields} | {"KVGATE_CONFIG"}
-    return [
-        f"environment variable {name} is not a kvgate setting and is ignored (see docs/configuration.md)"
-        for name in sorted(environ)
-        if name.upper().startswith("KVGATE_") and name.upper() not in known
-    ]
+    """A line per ``KVGATE_*`` variable that names no setting, with the nearest name: every command
+    refuses to start on one (a typo such as ``KVGATE_AUHT`` would leave its setting at the default,
+    here ``auth = "off"``). ``NOT_SETTINGS`` and Kubernetes' service links are not settings and pass."""
+    known = [env_var(name) for name in Settings.model_fields] + list(NOT_SETTINGS)
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("KVGATE_") or upper in known or SERVICE_LINK.fullmatch(upper):
+            continue
+        nearest = difflib.get_close_matches(upper, known, n=1)
+        hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+        problems.append(
+            f"environment variable {name} is not a kvgate setting{hint}: unset it or fix its name "
+            "(see docs/configuration.md)"
+        )
+    return problems
 
 
 def description(name: str) -> str:

@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.periodic import Supervisor, periodically
+from gateway.request.health import Health, Views, add_tasks
 from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 
@@ -51,7 +52,7 @@ ASK_TIMEOUT = 2.0  # seconds a sibling has to answer /healthz; a sibling that do
 FLUSH_SECONDS = 1.0  # how often a worker writes its /metrics page to its file
 FRESH_SECONDS = 3 * FLUSH_SECONDS  # a page file older than this is a stopped worker's: its counters only
 NOT_CARRIED = ("kvgate_worker_restarts",)  # the parent's count per slot, not a worker's own
-LocalHealth = Callable[[], tuple[dict[str, Any], bool]]
+LocalHealth = Callable[[], Health]
 
 
 PARENT = "parent"
@@ -98,10 +99,18 @@ def _remove(path: Path) -> None:
         os.unlink(path)
 
 
+def parent_health(supervisor: Supervisor, **fields: Any) -> dict[str, Any]:
+    """The parent's answer: its supervised tasks (``background``, ``failing``) in both views of
+    ``/healthz`` (``public``, ``detail``), and ``fields`` (pid, restarts, starting slots)."""
+    views = Views()
+    add_tasks(views, supervisor)
+    return {**fields, "public": views.public, "detail": views.detail}
+
+
 @contextlib.asynccontextmanager
 async def parent_views(data_dir: Path, health: Callable[[], dict[str, Any]]) -> AsyncIterator[None]:
-    """The parent's own health (its supervised embedded Redis: ``background``, ``failing``), for the
-    workers' ``/healthz``: a failing parent task makes every worker answer 503."""
+    """The parent's own health (``parent_health``: its supervised embedded Redis), for the workers'
+    ``/healthz``: a failing parent task makes every worker answer 503."""
 
     async def answer(request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps(health()))
@@ -135,8 +144,9 @@ class Siblings:
             return web.Response(body=self.page(metrics()))
 
         async def own_health(request: web.Request) -> web.Response:
-            body, ready = health()
-            return web.Response(body=orjson.dumps({"body": body, "ready": ready, **self._me()}))
+            own = health()
+            doc = {"public": own.public, "detail": own.detail, "ready": own.ready, **self._me()}
+            return web.Response(body=orjson.dumps(doc))
 
         async def flush() -> None:
             async def step() -> None:
@@ -208,33 +218,56 @@ class Siblings:
         )
         return merge_pages(pages) + count.encode()
 
-    async def health(self, own: dict[str, Any], ready: bool) -> tuple[dict[str, Any], bool]:
+    async def health(self, own: Health) -> Health:
+        """``own`` with the parent's tasks joined (``background``, ``failing``), ``worker``, ``workers``
+        (each sibling's summary, from its public view) and ``parent``, in both views."""
         others = list(self._others())
         answers = await asyncio.gather(
             self._ask(PARENT, "/healthz"), *(self._ask(slot, "/healthz") for slot in others)
         )
         parent = _parse(answers[0])
+        more: list[str] = []  # why not ready, beyond this worker's own reasons
+        views = {"public": dict(own.public), "detail": dict(own.detail)}
+        for name, body in views.items():
+            theirs = parent.get(name, {}) if parent is not None else {}
+            body["background"] = {**body.get("background", {}), **theirs.get("background", {})}
+            body["failing"] = [*body.get("failing", []), *theirs.get("failing", [])]
         if parent is None:  # alive while this worker is (it dies with it), so it should answer
-            parent, ready = {"state": "not answering"}, False
+            more.append("the workers' parent does not answer")
         else:
-            own = {**own, "background": {**own.get("background", {}), **parent.get("background", {})}}
-            own["failing"] = [*own.get("failing", []), *parent.get("failing", [])]
-            ready = ready and not parent.get("failing")
-        workers = {self.slot: {**self._me(), **_summary(own, ready)}}
+            more += [
+                f"background task {name} keeps failing"
+                for name in parent.get("public", {}).get("failing", [])
+            ]
+        workers = {self.slot: {**self._me(), **_summary(own.public, own.ready)}}
         for slot, answer in zip(others, answers[1:], strict=True):
             doc = _parse(answer)
             if doc is None:
-                starting = slot in parent.get("starting", [])  # its first start: serve is not up yet
+                starting = parent is not None and slot in parent.get("starting", [])  # serve is not up yet
                 workers[slot] = {"slot": slot, "state": "starting" if starting else "down"}
-                ready = ready and not starting
+                if starting:
+                    more.append(f"worker {slot} is starting")
                 continue
-            sibling_ready = doc.get("ready") is True
-            body = doc["body"] if isinstance(doc.get("body"), dict) else {}
+            body = doc["public"] if isinstance(doc.get("public"), dict) else {}
             named = {key: doc.get(key) for key in ("slot", "pid", "restarts")}
-            workers[slot] = {**named, **_summary(body, sibling_ready)}
-            ready = ready and sibling_ready
-        listed = [workers[slot] for slot in sorted(workers)]
-        return {**own, "worker": self._me(), "workers": listed, "parent": parent}, ready
+            workers[slot] = {**named, **_summary(body, doc.get("ready") is True)}
+            if doc.get("ready") is not True:
+                more.append(f"worker {slot} is not ready")
+        about = {
+            "worker": self._me(),
+            "workers": [workers[slot] for slot in sorted(workers)],
+            "unready": [*own.public.get("unready", []), *more],
+        }
+        public: dict[str, Any] = {"state": "not answering"}
+        detail = public
+        if parent is not None:
+            public = {key: parent.get(key) for key in ("pid", "starting")}
+            detail = {key: value for key, value in parent.items() if key not in ("public", "detail")}
+        return Health(
+            own.ready and not more,
+            {**views["public"], **about, "parent": public},
+            {**views["detail"], **about, "parent": detail},
+        )
 
 
 def _summary(body: dict[str, Any], ready: bool) -> dict[str, Any]:

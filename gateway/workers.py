@@ -37,7 +37,7 @@ from gateway.core.errors import BadRequest, KvgateError
 from gateway.open_table import open_table
 from gateway.periodic import Supervisor
 from gateway.serving import BACKLOG
-from gateway.siblings import WORKERS_DIR, Siblings, forget_pages, parent_views
+from gateway.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
 
 log = logging.getLogger("gateway.workers")
 
@@ -219,9 +219,8 @@ async def run_workers(
     served: set[int] = set()
 
     def health() -> dict[str, Any]:
-        return {"pid": os.getpid(), "background": supervisor.health(), "failing": supervisor.failing(),
-                "restarts": {str(slot): count for slot, count in restarts.items()},
-                "starting": sorted(set(restarts) - served)}  # fmt: skip
+        return parent_health(supervisor, pid=os.getpid(), starting=sorted(set(restarts) - served),
+                             restarts={str(slot): count for slot, count in restarts.items()})  # fmt: skip
 
     async with (
         open_table(settings, tracing, supervisor=supervisor),  # this process owns the embedded Redis

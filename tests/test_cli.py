@@ -220,3 +220,26 @@ def test_publish_over_max_adapter_bytes_exits_2_and_writes_nothing(
     assert "max_adapter_bytes" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not data.exists(), "neither the store nor the embedded Redis was touched"
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "nearest"),
+    [(["serve", "--replica", "http://127.0.0.1:9", "--port", "0"], "KVGATE_AUHT=api-keys", "KVGATE_AUTH"),
+     (["status"], "KVGATE_CONFG=kvgate.toml", "KVGATE_CONFIG")],
+)  # fmt: skip
+def test_a_kvgate_variable_that_names_no_setting_stops_every_command_with_exit_2(
+    tmp_path: Path, command: list[str], variable: str, nearest: str
+) -> None:
+    """A typo must not start kvgate with the default (``auth = "off"``): exit 2 before anything starts,
+    one line naming the variable and the nearest setting."""
+    data = tmp_path / "kvgate"
+    name, _, value = variable.partition("=")
+    full = [sys.executable, "-m", "gateway.cli", *command, "--data-dir", str(data)]
+    env = {**os.environ, name: value}
+    done = subprocess.run(full, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"kvgate {command[0]}: environment variable {name} is not a kvgate setting "
+        f"(did you mean {nearest}?): unset it or fix its name (see docs/configuration.md)"
+    ]
+    assert not data.exists(), "nothing started: no embedded Redis, no store"

@@ -19,6 +19,7 @@ from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
 from gateway.settings_table import (
     COMMANDS,
+    NOT_SETTINGS,
     description,
     env_var,
     flag,
@@ -82,6 +83,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "background_failure_limit": ("3", 3.0),
     "change_log_length": ("500", 500),
     "scrub_page": ("250", 250),
+    "table_max_staleness": ("30", 30.0),
     "snapshot_file_interval": ("2.5", 2.5),
     "drain_grace": ("5", 5.0),
     "max_drain": ("50", 50.0),
@@ -287,12 +289,19 @@ def test_a_config_value_of_the_wrong_toml_type_is_refused(tmp_path: Path) -> Non
     assert load_settings({}, config).auth == "api-keys"
 
 
-def test_a_kvgate_variable_that_names_no_setting_is_warned_of() -> None:
-    """A typo (``KVGATE_AUHT``) would leave its setting at the default without a word: serve warns."""
+def test_a_kvgate_variable_that_names_no_setting_is_refused_with_the_nearest_name() -> None:
+    """A typo (``KVGATE_AUHT``) would leave its setting at the default: every command refuses it, naming
+    the nearest setting; the documented non-settings and Kubernetes' service links pass."""
     every_setting = {f"KVGATE_{name.upper()}": "x" for name in Settings.model_fields}
-    environ = {**every_setting, "KVGATE_CONFIG": "k.toml", "KVGATE_AUHT": "api-keys", "PATH": "/bin"}
+    links = {"KVGATE_SERVICE_HOST": "10.0.0.1", "KVGATE_SERVICE_PORT_HTTP": "80",
+             "KVGATE_PORT_80_TCP_ADDR": "10.0.0.1", "KVGATE_ADMIN_PORT_9090_TCP": "tcp://a"}  # fmt: skip
+    environ = {**every_setting, **dict.fromkeys(NOT_SETTINGS, "x"), **links, "PATH": "/bin",
+               "KVGATE_AUHT": "api-keys", "KVGATE_CONFG": "kvgate.toml"}  # fmt: skip
     assert unknown_environment(environ) == [
-        "environment variable KVGATE_AUHT is not a kvgate setting and is ignored (see docs/configuration.md)"
+        "environment variable KVGATE_AUHT is not a kvgate setting (did you mean KVGATE_AUTH?): unset it or "
+        "fix its name (see docs/configuration.md)",
+        "environment variable KVGATE_CONFG is not a kvgate setting (did you mean KVGATE_CONFIG?): unset it "
+        "or fix its name (see docs/configuration.md)",
     ]
 
 

@@ -4,6 +4,7 @@ leases let go, exit 0 (``kvgate serve`` as a process, stub replica, real Redis).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -11,10 +12,14 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.request.boundary import Handler
 from gateway.serving import free_port, running
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
@@ -64,3 +69,58 @@ async def test_sigterm_drains_then_exits_0(
     assert texts == [f"t{i}" for i in range(20)], "the running stream finished"
     assert server.returncode == 0, err.decode()[-2000:]
     assert await redis.hkeys(keys.leases(stub)) == [], "its leases were let go"
+
+
+PROMPT = "a client's prompt"
+SHUTDOWN_500 = {"error": {"message": "cannot schedule new futures after shutdown",
+                          "type": "InternalServerError", "param": None, "code": 500}}  # fmt: skip
+"""What a vLLM replica answers its last requests while it stops (its tokenizer's executor is shut down)."""
+
+
+def going_down(state: StubState, answered: list[int]) -> web.Application:
+    """A stub replica that stops while answering: its completions answer vLLM's shutdown 500 (each one
+    counted in ``answered``), and from then on it answers nothing else (as a stopped vLLM)."""
+    app = build_stub(state)
+
+    @web.middleware
+    async def stopping(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/v1/completions" and PROMPT in await request.text():  # not kvgate's base print
+            answered.append(500)
+            return web.json_response(SHUTDOWN_500, status=500)
+        if answered:
+            assert request.transport is not None
+            request.transport.close()
+        return await handler(request)
+
+    app.middlewares.append(stopping)
+    return app
+
+
+@pytest.mark.parametrize("others", [0, 1])
+async def test_a_replica_that_answers_500_as_it_stops_is_retried_elsewhere_or_a_503(
+    redis: Redis, others: int, tmp_path: Path
+) -> None:
+    """The chaos run's 500 "cannot schedule new futures after shutdown" was a vLLM replica's own answer
+    while it stopped, relayed as it was: a request that meets a replica going down goes to another one,
+    or gets a 503 that says so."""
+    answered: list[int] = []
+    async with contextlib.AsyncExitStack() as stack:
+        stopping = await stack.enter_async_context(running(going_down(StubState(), answered)))
+        healthy = [await stack.enter_async_context(running(build_stub(StubState()))) for _ in range(others)]
+        settings = Settings(replicas=[stopping, *healthy], data_dir=tmp_path, poll_interval=60.0)
+        url = await stack.enter_async_context(running(build_app(settings, redis)))
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
+            if others:
+                for attempt in range(20):  # until the stopping replica met one (it is marked down then)
+                    done = await api.completions.create(
+                        model="base", prompt=f"{PROMPT} {attempt}", max_tokens=1
+                    )
+                    assert done.choices, "answered, the one it met too: by the other replica"
+                    if answered:
+                        break
+            else:
+                with pytest.raises(openai.APIStatusError) as refused:
+                    await api.completions.create(model="base", prompt=PROMPT, max_tokens=1)
+                assert refused.value.status_code == 503, refused.value.message
+                assert "went down" in refused.value.message
+        assert answered == [500], "the stopping replica met one request"

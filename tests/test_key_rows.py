@@ -8,7 +8,9 @@ rows are written as the hostile tester did (issue 17): ``HSET kvg:callers 0badc0
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+from unittest.mock import ANY
 
 import aiohttp
 import redis as sync_redis
@@ -33,8 +35,9 @@ async def models_status(http: aiohttp.ClientSession, url: str, key: str) -> int:
         return response.status
 
 
-async def healthz(http: aiohttp.ClientSession, url: str) -> dict[str, object]:
-    async with http.get(f"{url}/healthz") as response:
+async def healthz(http: aiohttp.ClientSession, url: str, token: str | None = None) -> dict[str, object]:
+    headers = {"x-kvgate-admin-token": token} if token else {}  # the detail view
+    async with http.get(f"{url}/healthz", headers=headers) as response:
         doc: dict[str, object] = await response.json()
         return doc
 
@@ -65,9 +68,13 @@ async def test_a_malformed_key_row_is_refused_alone_and_the_sync_goes_on(
 
         await eventually(revoke_and_create_seen, "the revoke and the new key reach the kvgate", 5)
         await asyncio.sleep(0.3)  # several re-reads: still one malformed row, logged and counted once
-        health = await healthz(http, url)
+        health = await healthz(http, url, ADMIN_TOKEN)
         assert health["api_keys"] == {"keys": 2, "malformed": {BAD_ID: "key 0badc0ffee00: not JSON"},
-                                      "wiped_at": None, "restored": 0, "lost": 0}  # fmt: skip
+                                      "wiped_at": None, "restored": 0, "lost": 0, "age_s": ANY,
+                                      "max_age_s": 60.0}  # fmt: skip
+        anonymous = await healthz(http, url)
+        assert anonymous["api_keys"] == {**health["api_keys"], "malformed": 1}, "a count, not the key id"
+        assert BAD_ID not in json.dumps(anonymous)
         async with http.get(f"{url}/metrics", headers={"x-kvgate-admin-token": ADMIN_TOKEN}) as response:
             assert 'kvgate_malformed_rows_total{kind="caller"} 1.0' in await response.text()
 

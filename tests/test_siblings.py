@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.periodic import Supervisor
+from gateway.request.health import Health
 from gateway.siblings import FRESH_SECONDS, WORKERS_DIR, Siblings, page_path, parent_views
 from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
@@ -57,41 +58,48 @@ class Views:
     def __init__(self, ready: bool) -> None:
         self.ready, self.metrics = ready, worker_metrics(1, lag=0.0)
 
-    def health(self) -> tuple[dict[str, Any], bool]:
-        return {"draining": not self.ready, "failing": [], "replicas_healthy": 1}, self.ready
+    def health(self) -> Health:
+        body = {"draining": not self.ready, "failing": [], "replicas_healthy": 1, "unready": []}
+        return Health(self.ready, body, {**body, "secret": "detail only"})
 
 
 async def test_any_worker_answers_for_all_a_not_ready_or_down_sibling_shows(tmp_path: Path) -> None:
     (tmp_path / WORKERS_DIR).mkdir()
     workers = [Siblings(tmp_path, slot, 3, restarts=slot) for slot in range(3)]
     views = [Views(ready=True), Views(ready=True), Views(ready=False)]
-    parent: dict[str, Any] = {"pid": 1, "background": {"embedded-redis": {"state": "running"}}, "failing": []}
+    tasks: dict[str, Any] = {"background": {"embedded-redis": {"state": "running"}}, "failing": []}
+    parent: dict[str, Any] = {"pid": 1, "public": tasks, "detail": tasks}
     async with contextlib.AsyncExitStack() as stack:
-        body, ready = await workers[0].health(*views[0].health())
-        assert not ready, "a parent that does not answer: not ready"
-        assert body["parent"] == {"state": "not answering"}
+        merged = await workers[0].health(views[0].health())
+        assert not merged.ready, "a parent that does not answer: not ready"
+        assert merged.public["parent"] == {"state": "not answering"}
+        assert merged.public["unready"] == ["the workers' parent does not answer"]
         await stack.enter_async_context(parent_views(tmp_path, lambda: parent))
         for worker, view in zip(workers[:2], views[:2], strict=True):  # worker 2 is down
             await stack.enter_async_context(
                 worker.serving(view.metrics.exposition, view.health, Supervisor())
             )
-        body, ready = await workers[0].health(*views[0].health())
-        assert ready, "worker 2 is down: not live, so not counted against readiness"
+        merged = await workers[0].health(views[0].health())
+        body = merged.public
+        assert merged.ready, "worker 2 is down: not live, so not counted against readiness"
         assert [w["state"] for w in body["workers"]] == ["ready", "ready", "down"]
         assert body["worker"]["slot"] == 0
         assert body["draining"] is False  # its own fields stay where one process has them
         assert body["background"]["embedded-redis"] == {"state": "running"}  # the parent's task joins them
-        parent["failing"] = ["embedded-redis"]
-        body, ready = await workers[1].health(*views[1].health())
-        assert not ready, "a parent task that keeps failing makes every worker answer 503"
-        assert body["failing"] == ["embedded-redis"]
-        parent["failing"] = []
+        assert "secret" not in body, "the public view"
+        assert merged.detail["secret"] == "detail only", "the detail view"
+        tasks["failing"] = ["embedded-redis"]
+        merged = await workers[1].health(views[1].health())
+        assert not merged.ready, "a parent task that keeps failing makes every worker answer 503"
+        assert merged.public["failing"] == ["embedded-redis"]
+        tasks["failing"] = []
         await stack.enter_async_context(
             workers[2].serving(views[2].metrics.exposition, views[2].health, Supervisor())
         )
-        body, ready = await workers[0].health(*views[0].health())
-        assert not ready, "a live worker that is not ready makes every worker answer 503"
-        assert [(w["slot"], w["state"], w["restarts"]) for w in body["workers"]] == [
+        merged = await workers[0].health(views[0].health())
+        assert not merged.ready, "a live worker that is not ready makes every worker answer 503"
+        assert merged.public["unready"] == ["worker 2 is not ready"]
+        assert [(w["slot"], w["state"], w["restarts"]) for w in merged.public["workers"]] == [
             (0, "ready", 0), (1, "ready", 1), (2, "not ready", 2),
         ]  # fmt: skip
         page = values(workers[1].metrics(views[1].metrics.exposition()))
@@ -110,7 +118,7 @@ async def test_merged_counters_never_drop_when_a_worker_stops_or_its_slot_restar
     first, second = Siblings(tmp_path, 0, 2, restarts=0), Siblings(tmp_path, 1, 2, restarts=0)
     ones, twos = worker_metrics(3, lag=9.0), worker_metrics(4, lag=1.0)
     first.track(ones)
-    async with first.serving(ones.exposition, lambda: ({}, True), Supervisor()):
+    async with first.serving(ones.exposition, lambda: Health(True, {}, {}), Supervisor()):
         before = values(second.metrics(twos.exposition()))
     assert (before[REQUESTS], before[LAG], before[("kvgate_workers_answering", ())]) == (7, 9.0, 2)
     old = time.time() - FRESH_SECONDS - 1
@@ -119,7 +127,7 @@ async def test_merged_counters_never_drop_when_a_worker_stops_or_its_slot_restar
     assert (stopped[REQUESTS], stopped[LAG], stopped[("kvgate_workers_answering", ())]) == (7, 1.0, 1)
     successor, fresh = Siblings(tmp_path, 0, 2, restarts=1), worker_metrics(1, lag=0.0)
     successor.track(fresh)
-    async with successor.serving(fresh.exposition, lambda: ({}, True), Supervisor()):
+    async with successor.serving(fresh.exposition, lambda: Health(True, {}, {}), Supervisor()):
         after = values(successor.metrics(fresh.exposition()))
     assert after[REQUESTS] == 3 + 4 + 1, "the successor carries worker 0's 3 on"
     assert after[("kvgate_worker_restarts_total", (("worker", "0"),))] == 1, "the parent's count, not carried"

@@ -105,7 +105,9 @@ async def kvgate(redis: Redis, **overrides: Any) -> AsyncIterator[tuple[str, web
 
 
 async def health(url: str) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as response:
+    """``/healthz``'s detail view (the admin token): the tasks' errors and the failing ones' reasons."""
+    headers = {"x-kvgate-admin-token": TOKEN}
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz", headers=headers) as response:
         doc: dict[str, Any] = await response.json()
         return response.status, doc
 

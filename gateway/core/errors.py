@@ -193,6 +193,15 @@ class BackendUnreachable(UpstreamError):
     pass
 
 
+class ReplicaGoingDown(BackendUnreachable):
+    """A replica answered an error as it went down (it answers its listing no more): vLLM stopping
+    answers its last requests 500 "cannot schedule new futures after shutdown". Retried on another
+    replica like an unreachable one; with none left, a 503 that says so, never the replica's 500."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 class BackendTimeout(UpstreamError):
     status = 504
     type = "upstream_timeout"

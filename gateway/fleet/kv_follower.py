@@ -34,6 +34,7 @@ import zmq.asyncio
 from gateway.core.errors import MalformedEvent
 from gateway.core.kv_events import Batch, decode_message, sequence
 from gateway.core.kv_index import PreciseIndex
+from gateway.core.wire import replica_id
 from gateway.fleet.backends import answers
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -313,9 +314,9 @@ async def follow_events(
     purger: PurgeAll | None,
     supervisor: Supervisor,
 ) -> AsyncIterator[dict[str, KvFollower]]:
-    """One follower per replica, each a supervised background task (``kv-events:URL``) while the block
-    runs (none when ``kv_events`` is off); a purge kvgate makes (purge-all) empties that replica's view
-    at once."""
+    """One follower per replica, each a supervised background task (``kv-events:<replica id>``: task
+    names are on anonymous /healthz, a URL never is) while the block runs (none when ``kv_events`` is
+    off); a purge kvgate makes (purge-all) empties that replica's view at once."""
     if index is None:
         yield {}
         return
@@ -332,7 +333,7 @@ async def follow_events(
     try:
         async with contextlib.AsyncExitStack() as stack:
             for url, follower in followers.items():
-                task = supervisor.run(f"kv-events:{url}", follower.run, period=MAX_RETRY_S)
+                task = supervisor.run(f"kv-events:{replica_id(url)}", follower.run, period=MAX_RETRY_S)
                 await stack.enter_async_context(task)
             yield followers
     finally:

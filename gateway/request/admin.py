@@ -83,6 +83,15 @@ class Admin:
                 f"this needs a valid {ADMIN_TOKEN_HEADER} (and kvgate started with an admin token)"
             )
 
+    def allows(self, request: web.Request) -> bool:
+        """Whether the request carries the admin token where the admin surface is served (``check``,
+        also as ``Authorization: Bearer``), without refusing it: ``/healthz``'s detail view."""
+        try:
+            self.check(request, bearer=True)
+        except Unauthorized:
+            return False
+        return True
+
     def check_scrape(self, request: web.Request, *, public: bool) -> None:
         """``/metrics``: its series are labelled by logical ID (the tenants), so on the public listener
         (no ``admin_port``) it takes the admin token, also as ``Authorization: Bearer`` (what a Prometheus

@@ -30,6 +30,7 @@ from gateway.core.errors import (
     ClientClosed,
     KvgateError,
     NoEligibleReplica,
+    ReplicaGoingDown,
     UpstreamError,
     VersionForgotten,
 )
@@ -275,14 +276,14 @@ class Proxy:
                     answer = await self.upstream.request(route.method, replica.url, path, body, headers)
                     try:
                         response = await self._relay(request, parsed, target, answer, rewrite, usage,
-                                                     evidence, there, started)  # fmt: skip
+                                                     evidence, replica, started)  # fmt: skip
                     finally:
                         answer.release()
                 else:  # a multipart or very large body, or a replica this client cannot reach: aiohttp's
                     url = replica.url + path
                     async with self.pool.session.request(route.method, url, data=body, headers=headers) as up:
                         response = await self._relay(request, parsed, target, relay.AiohttpAnswer(up),
-                                                     rewrite, usage, evidence, there, started)  # fmt: skip
+                                                     rewrite, usage, evidence, replica, started)  # fmt: skip
         if response.status == 200:
             self.scheduler.served(target, replica)
         return response
@@ -296,9 +297,10 @@ class Proxy:
         rewrite: relay.Rewrite | None,
         usage: relay.Usage,
         evidence: dict[str, str],
-        there: str,
+        replica: Replica,
         started: float,
     ) -> web.StreamResponse:
+        there = self.replica_names[replica.url]
         self.metrics.ttfb.observe(time.monotonic() - started)
         if target.role:  # a rollout runs: the first byte of this version's answer
             self.rollouts.first_byte(target, time.monotonic() - started)
@@ -308,12 +310,23 @@ class Proxy:
                 f"replica {there} does not have {target.logical_id!r}'s "
                 "version loaded (it restarted, or it was unloaded there); retry"
             )
+        if upstream.status >= 500 and await self._went_down(replica):
+            raise ReplicaGoingDown(
+                f"replica {there} answered {upstream.status} as it went down (it answers no more): "
+                "send the request again"
+            )
         if parsed.route.kind == "model-card":
             name = target.version.name if target.version is not None else None
             return await relay.relay_card(upstream, name or parsed.model, target, evidence, there)
         if parsed.stream and upstream.content_type == "text/event-stream":
             return await relay.relay_stream(request, upstream, rewrite, usage, evidence, there)
         return await relay.relay_body(upstream, rewrite, usage, evidence, there)
+
+    async def _went_down(self, replica: Replica) -> bool:
+        """Whether a replica that answered a 5xx is going away: asked for its listing at once, it no
+        longer answers (then its error is its shutdown's, not the request's)."""
+        await self.pool.refresh(replica)
+        return not replica.healthy
 
 
 _FAULTS = (UpstreamError, NoEligibleReplica)

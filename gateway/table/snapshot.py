@@ -58,7 +58,8 @@ class Snapshot:
         """Monotonic time it last held every change the table had (a full read, or a heartbeat whose
         newest entry it had applied by then): ``staleness`` grows while the follower cannot advance."""
         self.malformed: dict[str, str] = {}
-        """Logical ID -> why its state row is unreadable, as the last full read found it (left out)."""
+        """Logical ID -> why its state row is unreadable, as the last full read found it (left out; counted on
+        /healthz, named in its detail view)."""
         self.flushed = True  # nothing read yet, or the Redis connection dropped since the last read
 
     def get(self, logical_id: str) -> VersionState | None:
@@ -119,10 +120,6 @@ class Snapshot:
                 self.on_epoch_change(logical_id)
             for name in kept:
                 self.retired.pop(name, None)
-
-    def health(self) -> dict[str, dict[str, str]]:
-        """For ``/healthz``: the state rows the last full read could not read (logical ID -> why)."""
-        return {"malformed_rows": dict(self.malformed)}
 
     def staleness(self) -> float:
         return time.monotonic() - self.refreshed_at if self.refreshed_at else float("inf")

@@ -314,7 +314,8 @@ async def test_an_evicted_prefix_stops_attracting_requests(
         await eventually(
             lambda: sample(metrics, "kvgate_kv_view_blocks", replica=small_replica.url) >= 3, "learned"
         )
-        async with http.get(f"{gateway.url}/healthz") as response:
+        detail = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}  # each stream, named by replica: /healthz's detail view
+        async with http.get(f"{gateway.url}/healthz", headers=detail) as response:
             followed = (await response.json())["kv_events"][small_replica.url]  # named by URL: exposed here
         assert (followed["following"], followed["blocks"] >= 3) == (True, True)
         attracted = await complete(http, gateway.url, "base", text, max_tokens=1)
