@@ -76,7 +76,9 @@ class Fleet:
         return await self.named() == name and all(answer == (200, name) for answer in served)
 
     async def health(self, url: str) -> tuple[int, dict[str, Any]]:
-        async with self.http.get(f"{url}/healthz") as response:
+        """/healthz's detail view (the admin token): the reasons, not only the failing tasks' names."""
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with self.http.get(f"{url}/healthz", headers=headers) as response:
             doc: dict[str, Any] = await response.json()
             return response.status, doc
 
@@ -92,6 +94,9 @@ class Fleet:
         return all(line in app[METRICS].exposition().decode() for app in self.apps)
 
 
+ADMIN_TOKEN = "convergence-admin-token"
+
+
 @contextlib.asynccontextmanager
 async def fleet(redis: Redis, tmp_path: Path, make_adapter: MakeAdapter) -> AsyncIterator[Fleet]:
     """Two running kvgates serving tenant-42 at v2 (v1 before it)."""
@@ -100,7 +105,8 @@ async def fleet(redis: Redis, tmp_path: Path, make_adapter: MakeAdapter) -> Asyn
     v2 = await kvgates.publish(b"v2")
     async with running(build_stub(StubState())) as stub_url, contextlib.AsyncExitStack() as stack:
         settings = Settings(replicas=[stub_url], store=kvgates.store.root, reconcile_interval=INTERVAL,
-                            poll_interval=0.1, background_failure_limit=LIMIT)  # fmt: skip
+                            poll_interval=0.1, background_failure_limit=LIMIT,
+                            admin_token=ADMIN_TOKEN)  # fmt: skip
         for _ in range(2):
             app = build_app(settings, redis)
             kvgates.urls.append(await stack.enter_async_context(running(app)))
