@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.generated_docs import END, START, blocks, measured, write_block
+from gateway.generated_docs import END, START, blocks, measured, module_of, write_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -219,3 +219,21 @@ def test_a_generator_replaces_its_own_block_and_keeps_the_prose(tmp_path: Path) 
     ]
     assert "old" not in text
     assert text.index("prose before") < text.index("new") < text.index("prose after") < text.index("spread")
+
+
+FIGURES = {  # a page's figures and the committed generator that writes them (issue 26, item 9)
+    "README.md": "loadtest.demo_block",
+    "docs/workers.md": "loadtest.workers_cost",
+    "docs/perf.md": "loadtest.stage_times",
+    "docs/chaos.md": "loadtest.chaos",
+    "docs/invalidation.md": "loadtest.invalidation",
+}
+
+
+@pytest.mark.parametrize(("page", "module"), FIGURES.items())
+def test_every_figure_has_its_command_and_the_tree_it_ran_at(page: str, module: str) -> None:
+    found = [b for b in blocks((ROOT / page).read_text()) if module_of(b.command) == module]
+    assert found, f"{page} has no block written by {module}"
+    for block in found:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", block.fields.get("date", "")), block.fields
+        assert re.fullmatch(r"[0-9a-f]{7,40}", block.fields.get("tree", "")), block.fields
