@@ -86,6 +86,12 @@ demo: setup
 	$(VENV)/bin/kvgate demo --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--data-dir .kvgate-demo
 
+# `make demo` run and its standard output written into the README's demo block, with the date and the tree.
+.PHONY: readme-demo
+readme-demo: setup
+	$(PY) -m loadtest.demo_block --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
+		--data-dir .kvgate-demo --out README.md
+
 # Invalidation strategies on real vLLM replicas: writes docs/invalidation.md and docs/invalidation.png.
 loadtest-invalidation: setup
 	$(PY) -m loadtest.invalidation --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
@@ -102,6 +108,13 @@ loadtest-proxy: $(VENV)/.done
 	test -x .venv-router/bin/vllm-router || ($(PYTHON) -m venv .venv-router && .venv-router/bin/pip install $(PIP_QUIET) vllm-router)
 	test -x $(VENV)/bin/py-spy || $(PY) -m pip install $(PIP_QUIET) py-spy
 	$(PY) -m loadtest.proxy_overhead --rounds 3 --seconds 4 --out docs/perf.md --profile docs/perf-profile
+
+# Where kvgate's own CPU a request goes (loadtest/stage_times.py): kvgate serve as it is, with each stage of the
+# request path timed, and with the path cut out, under wrk at c64; writes docs/perf.md's stage split.
+.PHONY: loadtest-stages
+loadtest-stages: $(VENV)/.done
+	command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk)
+	$(PY) -m loadtest.stage_times --rounds 3 --seconds 4 --out docs/perf.md
 
 # HTTP stack candidates (a minimal proxy each: aiohttp, httptools, granian) beside kvgate and vllm-router under
 # wrk, the same stub: docs/perf.md's stack table (issue 19, item 3).
@@ -157,6 +170,12 @@ loadtest-edge: $(VENV)/.done
 .PHONY: loadtest-metrics
 loadtest-metrics: $(VENV)/.done
 	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000 --out docs/observability.md
+
+# What a worker costs: `kvgate serve --workers 1` and `--workers 2` in front of the stub, started in turn in fresh
+# data directories, then idle: start to ready, RSS per process, Redis commands/s; writes docs/workers.md's table.
+.PHONY: loadtest-workers
+loadtest-workers: $(VENV)/.done
+	$(PY) -m loadtest.workers_cost --starts 3 --idle 10 --out docs/workers.md
 
 # The epoch table at scale: a real redis-server, 100,000 IDs x 3 versions, N simulated kvgates (the real
 # SnapshotSync) for N = 1, 10, 100, the change log vs the old full reconcile: docs/scale.md (+ plot).

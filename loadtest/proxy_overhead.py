@@ -129,22 +129,29 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
-def tree_cpu_times(root: int) -> tuple[float, float]:
-    """(utime + cutime, stime + cstime) of ``root`` and every live descendant, in seconds, from /proc."""
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live descendant's pid, from /proc (parents before their children)."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
             parents.setdefault(int(fields[1]), []).append(int(entry.name))
-    user = system = 0
-    todo = [root]
+    tree, todo = [], [root]
     while todo:
-        pid = todo.pop()
+        pid = todo.pop(0)
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    return tree
+
+
+def tree_cpu_times(root: int) -> tuple[float, float]:
+    """(utime + cutime, stime + cstime) of ``root`` and every live descendant, in seconds, from /proc."""
+    user = system = 0
+    for pid in process_tree(root):
         fields = _stat_fields(pid)
         if fields is None:
             continue
         user += int(fields[11]) + int(fields[13])  # utime, cutime (reaped children)
         system += int(fields[12]) + int(fields[14])  # stime, cstime
-        todo += parents.get(pid, [])
     return user / CLK_TCK, system / CLK_TCK
 
 

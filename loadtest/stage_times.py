@@ -12,9 +12,9 @@ Three runs of ``kvgate serve`` (one process, the same stub, an adapter published
   with ``Proxy.handle`` replaced by what ``loadtest/stack_proxies.py``'s minimal proxy does (read the body,
   rewrite ``model`` on the bytes, forward on kvgate's httptools client, relay): the framework's share.
 
-Run from the repository root (a few minutes)::
+Run from the repository root (a few minutes; ``make loadtest-stages`` writes docs/perf.md's block)::
 
-    .venv/bin/python -m loadtest.stage_times [--seconds 4] [--rounds 2]
+    .venv/bin/python -m loadtest.stage_times [--seconds 4] [--rounds 2] [--out docs/perf.md]
 
 ``--serve MODE ...`` is internal: it is how this module starts the instrumented kvgate.
 """
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gateway import generated_docs
 from gateway.serving import free_port
 from loadtest import proxy_overhead as po
 
@@ -129,7 +130,7 @@ def serve(mode: str, out: Path, versioned: str, argv: list[str]) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     py = sys.executable
-    result: dict[str, Any] = {"cpu": {mode: [] for mode in MODES}, "stages": {}}
+    result: dict[str, Any] = {"cpu": {mode: [] for mode in MODES}, "stages": {}, "foreign": []}
     with tempfile.TemporaryDirectory(prefix="kvgate-stages-") as tmp, po.Fleet(Path(tmp)) as fleet:
         workdir = Path(tmp)
         fleet.callback(po.stop_leftover_redis, workdir)
@@ -157,6 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 script = po.wrk_script(workdir, target, "plain")
                 cell = po.run_wrk(target, stub, script, concurrency=64, seconds=args.seconds)
                 result["cpu"][mode].append(cell.cpu_us())
+                result["foreign"].append(cell.foreign_cores)
                 print(f"{MODES[mode]}: {cell.rps():,.0f} req/s, {cell.cpu_us():.0f} µs CPU a request, "
                       f"foreign {cell.foreign_cores:.2f} cores", flush=True)  # fmt: skip
         targets["timed"].proxy.stop()  # type: ignore[union-attr]  # it writes its timings as it stops
@@ -164,6 +166,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         requests = timings.get("the whole request (wall, with its waits)", [0, 1])[1] or 1
         result["stages"] = {label: ns / requests / 1000 for label, (ns, _) in timings.items()}
     return result
+
+
+WHOLE = "the whole request (wall, with its waits)"
+
+
+def render(result: dict[str, Any], rounds: int) -> str:
+    """The run as docs/perf.md shows it: CPU a request per mode, the request path's share, the stages."""
+    cpu = result["cpu"]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+    path = [whole - bare for whole, bare in zip(cpu["kvgate"], cpu["no-path"], strict=True)]
+    foreign = result["foreign"]
+    stages = {label: micros for label, micros in result["stages"].items() if label != WHOLE}
+    lines = [
+        f"CPU µs a request at c64, median of {rounds} rounds (min-max):",
+        *(f"  {label}: {spread(cpu[mode])}" for mode, label in MODES.items()),
+        f"  kvgate's request path (kvgate - app without it, round by round): {spread(path)}, "
+        f"{statistics.median(p / w for p, w in zip(path, cpu['kvgate'], strict=True)):.0%} of kvgate's",
+        f"foreign load during the cells: median {statistics.median(foreign):.2f} cores, "
+        f"max {max(foreign):.2f}",
+        "",
+        "µs a request inside each stage (stages timed):",
+        *(f"  {label}: {micros:.1f}" for label, micros in sorted(stages.items())),
+        f"  sum of the stages: {sum(stages.values()):.1f}",
+        f"  {WHOLE}: {result['stages'].get(WHOLE, float('nan')):.1f}",
+    ]
+    return "```\n" + "\n".join(lines) + "\n```"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,15 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="-", help="markdown doc to write the block into ('-': print only)")
     args = parser.parse_args(argv)
+    generated_docs.started_tree()  # the tree measured, taken before the run
     os.chdir(po.ROOT)
-    result = measure(args)
-    print(f"\nCPU µs a request at c64, median of {args.rounds} rounds:")
-    for mode, label in MODES.items():
-        print(f"  {label}: {statistics.median(result['cpu'][mode]):.0f}")
-    print("\nµs a request inside each stage (stages timed):")
-    for label, micros in sorted(result["stages"].items()):
-        print(f"  {label}: {micros:.1f}")
+    report = render(measure(args), args.rounds)
+    print(report)
+    if args.out != "-":
+        generated_docs.write_block(po.ROOT / args.out, generated_docs.measured(report))
     return 0
 
 
