@@ -2,7 +2,7 @@
 four tenants, concurrent traffic, and faults, for a bounded time. Does every answer stay coherent?
 
 Topology: one ``redis-server`` this run owns (TCP on 127.0.0.1, append-only file fsynced always), two
-vLLM replicas (``gateway.vllm_process``), three ``kvgate serve`` processes (``--expose-replica-urls``, so
+vLLM replicas (``gateway.dev.vllm_process``), three ``kvgate serve`` processes (``--expose-replica-urls``, so
 an answer names the replica by URL and can be recomputed there), four logical IDs published with
 ``kvgate publish``. Concurrent clients send completions and chat completions, streaming and not,
 round-robin through the three kvgates (a connection refused by a killed kvgate goes to the next one, as a
@@ -52,7 +52,6 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from gateway import generated_docs
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import LoadFailed
 from gateway.core.identity import scan_adapter, tree_digest
@@ -64,12 +63,13 @@ from gateway.core.wire import (
     VERSION_HEADER,
     cold_salt,
 )
+from gateway.dev import generated_docs
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from gateway.fleet.backends.vllm import VllmDialect
+from gateway.process.http_edge import free_port
 from gateway.proof.audit import TOLERANCE_MARGIN
-from gateway.serving import free_port
 from gateway.table import keys
 from gateway.table.epoch_table import REDIS_DOWN
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from loadtest.invalidation import system_prompt
 
 log = logging.getLogger("chaos")
@@ -1230,7 +1230,7 @@ def _cell(text: str) -> str:
 
 
 def write_section(path: Path, body: str, title: str) -> None:
-    """This command's generated block of ``path`` (gateway/generated_docs.py) replaced, or added under
+    """This command's generated block of ``path`` (gateway/dev/generated_docs.py) replaced, or added under
     ``## title``, leaving the rest as it is."""
     text = path.read_text() if path.exists() else "# The chaos run: a fleet of kvgates, one truth\n"
     block = generated_docs.measured(body)

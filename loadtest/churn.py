@@ -28,10 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.identity import versioned_name
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis

@@ -1,5 +1,5 @@
 """The README's demo block: ``make demo``'s command run, its standard output shown as it comes and written
-into the README between the generated-block markers, with the date and the tree (gateway/generated_docs.py).
+into the README between the generated-block markers, with the date and the tree (gateway/dev/generated_docs.py).
 
 It runs what ``make demo``'s recipe runs (``kvgate demo`` with the same data directory), this tree's code;
 kvgate's log lines go to stderr and are left out, as the block says. Nothing is written if the demo did not
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway import generated_docs
+from gateway.dev import generated_docs
 from loadtest.proxy_overhead import ROOT, _child_env
 
 NOTE = (

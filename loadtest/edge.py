@@ -49,9 +49,9 @@ from typing import Any
 
 import aiohttp
 
-from gateway import generated_docs
-from gateway.config import Settings
-from gateway.serving import EDGE, EdgeLimits, free_port, raise_open_files_limit, running
+from gateway.dev import generated_docs
+from gateway.process.http_edge import EDGE, EdgeLimits, free_port, raise_open_files_limit, running
+from gateway.settings.model import Settings
 from loadtest.proxy_overhead import (
     LOGICAL_ID,
     ROOT,
@@ -423,7 +423,7 @@ async def run_all(url: str, kvgate: Child, stubs: list[str], args: argparse.Name
     return results
 
 
-BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli import main; sys.exit(main())"
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli.main import main; sys.exit(main())"
 
 
 def measure(workdir: Path, source: Path | None, args: argparse.Namespace) -> Results:

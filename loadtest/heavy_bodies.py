@@ -30,8 +30,8 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_redis, wait_ready
 
 BODY_LIMIT = 4 * 1024 * 1024  # kvgate's default max_body_bytes

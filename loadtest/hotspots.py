@@ -7,7 +7,8 @@ Three views, each as a share of all samples of the process:
   code it called), or to "outside gateway/" (the aiohttp server, asyncio);
 - self: the leaf frame, whatever module it is in.
 
-``gateway/cli.py`` (the entry point, under which the event loop runs) does not count as a gateway/ frame.
+``gateway/cli/__main__.py`` and ``gateway/cli/main.py`` (the entry point, under which the event loop runs) do
+not count as gateway/ frames.
 ``python -m loadtest.proxy_overhead --profile`` writes this summary next to its flame graph.
 
 Run: ``python -m loadtest.hotspots PROFILE [--top 15]``.
@@ -53,8 +54,8 @@ def frame_name(frame: str) -> tuple[str, bool]:
     if match is None:
         return frame.strip(), False
     path, func = match["file"], match["func"]
-    if path.endswith("gateway/cli.py"):  # the entry point: every sample of the event loop runs under it
-        return f"gateway/cli.py:{func}", False
+    if path.endswith(("gateway/cli/__main__.py", "gateway/cli/main.py")):  # the entry point: every sample
+        return f"{path[path.rfind('gateway/') :]}:{func}", False  # of the event loop runs under it
     if "site-packages" not in path and (path.startswith("gateway/") or "/gateway/" in path):
         return f"{path[path.rfind('gateway/') :]}:{func}", True
     short = "/".join(path.split("/")[-2:])

@@ -25,17 +25,17 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
-from gateway import generated_docs
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
+from gateway.dev import generated_docs
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.process.http_edge import free_port, running
 from gateway.proof.audit import GatewayTarget, audit_round
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 STRATEGIES = ("version-scoped", "purge-all")
 TOKEN = "loadtest-admin-token"

@@ -29,20 +29,20 @@ from typing import Any
 import aiohttp
 from redis.asyncio import Redis
 
-from gateway import generated_docs
 from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.agent.server import build_agent
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.errors import AuditError
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
+from gateway.dev import generated_docs
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.process.http_edge import free_port, running
 from gateway.proof.experiment import complete
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from tests.s3_server import environment, s3_server
 
 ADMIN = "bench-admin"

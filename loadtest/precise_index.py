@@ -19,9 +19,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from gateway import generated_docs
 from gateway.core.kv_events import BlockStored
 from gateway.core.kv_index import PreciseIndex, block_keys
+from gateway.dev import generated_docs
 from gateway.fleet.tokens import PromptTokens
 from gateway.proof.experiment import long_prompt
 

@@ -46,16 +46,16 @@ import zmq
 import zmq.asyncio
 from redis.asyncio import Redis
 
-from gateway import generated_docs
 from gateway.core.errors import MalformedEvent
 from gateway.core.kv_events import BlockRemoved, BlockStored, decode_message
 from gateway.core.kv_index import Namespace, PreciseIndex, block_keys, stored_namespace
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER, VERSION_HEADER
+from gateway.dev import generated_docs
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from gateway.fleet.tokens import PromptTokens
+from gateway.process.http_edge import free_port
 from gateway.proof.experiment import long_prompt
-from gateway.serving import free_port
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 log = logging.getLogger("prefix_real")
 TOKEN = "loadtest-admin-token"

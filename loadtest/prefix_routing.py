@@ -45,11 +45,11 @@ from typing import Literal
 
 from blake3 import blake3
 
-from gateway import generated_docs
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, block_keys, prompt_text
 from gateway.core.scheduler import LOAD_FACTOR, Scheduler, eligible, least_loaded, load_score, within_bound
 from gateway.core.wire import cache_salt
+from gateway.dev import generated_docs
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
 

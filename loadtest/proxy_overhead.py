@@ -52,8 +52,8 @@ from types import FrameType
 
 import aiohttp
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from loadtest.hotspots import Summary, summarize
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ scenarios, loadtest/scale_cold.py measures cold starts side by side (--cold-kvga
     .venv/bin/python -m loadtest.scale --ids 100000 --kvgates 1 10 100 --old-kvgates 1 \\
         --out docs/scale.md --plot docs/scale.png
 
---out writes the figures into their generated block of docs/scale.md (gateway/generated_docs.py): the
+--out writes the figures into their generated block of docs/scale.md (gateway/dev/generated_docs.py): the
 command, date, tree and load, the machine, the table and the targets, all from this run.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from loadtest import scale_cold

@@ -30,12 +30,12 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from gateway.core.model import TableView
-from gateway.periodic import periodically
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable, _text
 from gateway.table.rows import parse_state
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.table.snapshot_file import SnapshotFile
+from gateway.tasks.supervisor import periodically
 
 Seen = list[tuple[str, int, float]]  # logical ID, epoch, wall time the snapshot took it
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway import generated_docs
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER
-from gateway.serving import free_port
-from gateway.vllm_process import VllmReplicaSpec, start_replicas
+from gateway.dev import generated_docs
+from gateway.dev.vllm_process import VllmReplicaSpec, start_replicas
+from gateway.process.http_edge import free_port
 from loadtest.chaos import SHAPES, TOKEN, Kvgate, RedisServer, kvgate_cli, request_body, write_section
 
 CROSSING = 3  # with two replicas, the third request in flight is over the holder's bounded share

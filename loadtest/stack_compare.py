@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from loadtest.proxy_overhead import (
     CHUNKS,
     FOREIGN_FLAG,
@@ -56,7 +56,7 @@ LABELS = {
 CONCURRENCY = (1, 64)
 
 
-BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli import main; sys.exit(main())"
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from gateway.cli.main import main; sys.exit(main())"
 
 
 def start_before(fleet: Fleet, workdir: Path, source: Path) -> Target:

@@ -7,7 +7,8 @@ connection, and relay the answer with the versioned name rewritten back to the l
 deadlines: what is left is the HTTP stack's own cost, server side and client side.
 
 - ``aiohttp``: aiohttp's server (``web.Application``) and client (``ClientSession``), as kvgate uses them.
-- ``aiohttp-edge``: the same, served through ``gateway.serving.running`` (kvgate's edge protocol subclass).
+- ``aiohttp-edge``: the same, served through ``gateway.process.http_edge.running`` (kvgate's edge protocol
+  subclass).
 - ``aiohttp+htclient``: aiohttp's server; upstream through ``loadtest.http_client`` (httptools, a pool).
 - ``httptools``: an asyncio protocol on ``httptools`` on both sides, as uvicorn's server is built.
 - ``granian``: granian's RSGI server (Rust) in one worker, upstream through aiohttp's client.
@@ -238,7 +239,7 @@ async def serve(stack: str, port: int, upstream: str, versioned: str) -> None:
         return
     app = aiohttp_app(upstream, work, htclient=stack == "aiohttp+htclient")
     if stack == "aiohttp-edge":
-        from gateway.serving import running
+        from gateway.process.http_edge import running
 
         async with running(app, port=port):
             await stop.wait()

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from loadtest import proxy_overhead as po
 
 MODES = {
@@ -115,7 +115,7 @@ def _cut_the_path(versioned: bytes) -> None:
 
 def serve(mode: str, out: Path, versioned: str, argv: list[str]) -> int:
     """kvgate, instrumented as ``mode`` says; the stage timings go to ``out`` (JSON) when it stops."""
-    from gateway.cli import main
+    from gateway.cli.main import main
 
     timings: Timings = {}
     if mode == "timed":

@@ -18,7 +18,7 @@ from typing import Any
 
 import uvloop
 
-from gateway.serving import running
+from gateway.process.http_edge import running
 from tests.stub_backend import StubState, build_stub
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import redis
 
-from gateway import generated_docs
-from gateway.serving import free_port
+from gateway.dev import generated_docs
+from gateway.process.http_edge import free_port
 from loadtest.proxy_overhead import (
     ROOT,
     Child,

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from gateway.config import Settings
+from gateway.settings.model import Settings
 from gateway.table.connection import CLUSTER, REDIS_PORT, SENTINEL, parse_target, scheme_of
 from tests.deploy_checks import Obj, _container_ports, named, pods
 

@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.config import Settings
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter
 from tests.serve_modes import serving

@@ -24,7 +24,7 @@ from typing import Any
 import redis.exceptions
 from redis.asyncio import Redis
 
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 from tests.conftest import eventually
 
 MASTER_NAME = "kvgate-main"

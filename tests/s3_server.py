@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import pytest
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from gateway.app import build_app
-from gateway.config import Settings
-from gateway.serving import free_port, running
-from gateway.settings_table import flag
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import free_port, running
+from gateway.settings.flags import flag
+from gateway.settings.model import Settings
 
 SHAPES = ("in-process", "workers-2")
 _shape = {"now": SHAPES[0]}

@@ -12,7 +12,7 @@ loaded* (as a server reads its weights once), so the same name loaded from other
 The radix cache is keyed as SGLang keys it on the OpenAI endpoints, ``cache_salt + extra_key``, with the
 load's own id: a repeated prompt in the same key reports its prompt tokens as cached. Every completion's
 body is recorded (``received``; kvgate's base-fingerprint probe, ``core.base_print.PROBE_PROMPT`` on the
-base, in ``probes`` instead). ``run_sglang_stub`` serves it with ``gateway.serving.running``.
+base, in ``probes`` instead). ``run_sglang_stub`` serves it with ``gateway.process.http_edge.running``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core.base_print import PROBE_PROMPT
-from gateway.serving import running
+from gateway.process.http_edge import running
 
 __all__ = ["SGLANG_STUB", "SglangStubState", "adapter_text", "build_sglang_stub", "run_sglang_stub"]
 

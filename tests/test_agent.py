@@ -31,7 +31,7 @@ from gateway.adapters.store import INCOMING_PREFIX
 from gateway.agent.fetch import STAMPS
 from gateway.agent.server import FETCHER, build_agent
 from gateway.core.identity import scan_adapter, tree_digest
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from tests.conftest import MakeAdapter, eventually
 from tests.s3_server import S3Server, environment, silent_endpoint
 from tests.stub_backend import StubState, build_stub

@@ -23,10 +23,10 @@ from gateway.adapters.objstore import ObjectStore
 from gateway.adapters.publish import publish_adapter
 from gateway.agent.fetch import STAMPS
 from gateway.agent.server import build_agent
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.wire import ADMIN_TOKEN_HEADER
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics

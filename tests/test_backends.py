@@ -19,7 +19,7 @@ from gateway.fleet.backends import (
     VllmDialect,
     dialect_for,
 )
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from tests.stub_backend import StubState, build_stub
 from tests.stub_sglang import SglangStubState, run_sglang_stub
 

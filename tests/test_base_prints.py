@@ -20,14 +20,14 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.cli_base import choose_base
-from gateway.config import Settings
+from gateway.app.wiring import build_app
+from gateway.cli.base_model import choose_base
 from gateway.core import base_print
 from gateway.core.model import Target, VersionState
 from gateway.core.scheduler import eligible
 from gateway.core.wire import cache_salt
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.errors import BadRequest, CallerNotFound, InvalidAdapter, KeysUnavailable
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 from gateway.table import keys
 from gateway.table.callers import Callers, CallerSync, CallerTable, key_hash
 from tests.conftest import eventually

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter
 from tests.stub_backend import StubState, build_stub

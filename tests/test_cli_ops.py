@@ -21,7 +21,7 @@ from gateway.adapters.gc_trash import TRASH_PREFIX
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import INCOMING_PREFIX, AdapterStore
 from gateway.core.errors import VersionNotFound
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version, read_versions

@@ -12,12 +12,11 @@ from typing import get_args
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from gateway.cli import build_parser, main, settings_from
-from gateway.config import Settings, load_settings
+from gateway.cli.main import build_parser, main, settings_from
 from gateway.core.errors import BadRequest
 from gateway.fleet.backends import DIALECTS
 from gateway.fleet.invalidation import PURGE_ALL, VERSION_SCOPED
-from gateway.settings_table import (
+from gateway.settings.flags import (
     COMMANDS,
     NOT_SETTINGS,
     description,
@@ -27,6 +26,7 @@ from gateway.settings_table import (
     setting_names,
     unknown_environment,
 )
+from gateway.settings.model import Settings, load_settings
 
 
 def test_cli_beats_env_beats_file_beats_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

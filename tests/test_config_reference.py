@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import Settings
-from gateway.config_reference import document, main
-from gateway.settings_table import env_var, flag
+from gateway.settings.flags import env_var, flag
+from gateway.settings.model import Settings
+from gateway.settings.reference import document, main
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def test_the_committed_reference_is_the_generated_one() -> None:
-    assert REFERENCE.read_text() == document(), "run: python -m gateway.config_reference --write " + str(
+    assert REFERENCE.read_text() == document(), "run: python -m gateway.settings.reference --write " + str(
         REFERENCE
     )
     assert main(["--check", str(REFERENCE)]) == 0

@@ -11,7 +11,7 @@ import redis.exceptions
 from redis.asyncio import Redis
 
 from gateway.core.errors import BadRequest
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 from gateway.table.connection import RedisTarget, connect, parse_target
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter

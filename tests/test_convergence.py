@@ -28,12 +28,12 @@ from redis.exceptions import ResponseError
 
 from gateway.adapters.publish import Published, publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.app_keys import METRICS, SUPERVISOR
-from gateway.config import Settings
+from gateway.app.keys import METRICS, SUPERVISOR
+from gateway.app.wiring import build_app
 from gateway.core.errors import KvgateError
 from gateway.core.wire import VERSION_HEADER
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.changelog import START, Ends
 from gateway.table.epoch_table import EpochTable
@@ -265,7 +265,7 @@ async def test_a_check_whose_sum_is_junk_makes_healthz_503_naming_it(
 ) -> None:
     """No snapshot can be checked against the table: every kvgate says so, within the failure limit, in one
     logged traceback per kvgate (not one per try), and is ready again once the check is repaired."""
-    caplog.set_level(logging.INFO, logger="gateway.periodic")
+    caplog.set_level(logging.INFO, logger="gateway.tasks.supervisor")
     async with fleet(redis, tmp_path, make_adapter) as kvgates:
         total = await redis.hget(keys.CHECK, "sum")
         await redis.hset(keys.CHECK, "sum", "junk")

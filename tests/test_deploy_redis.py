@@ -19,7 +19,7 @@ import pytest
 import redis.exceptions
 from redis.asyncio import Redis
 
-from gateway.serving import free_port
+from gateway.process.http_edge import free_port
 from gateway.table.connection import connect
 from tests.conftest import eventually
 from tests.redis_topologies import binary, texts

@@ -31,8 +31,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.wire import ADMIN_TOKEN_HEADER, cache_salt
-from gateway.serving import free_port, running
-from gateway.settings_table import flag
+from gateway.process.http_edge import free_port, running
+from gateway.settings.flags import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter, eventually, swap_back, swap_bytes, until_healthy

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.generated_docs import END, START, blocks, measured, module_of, write_block
+from gateway.dev.generated_docs import END, START, blocks, measured, module_of, write_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

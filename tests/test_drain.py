@@ -17,10 +17,10 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import free_port, running
 from gateway.request.boundary import Handler
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from redis.asyncio import Redis
 
-from gateway.config import Settings
+from gateway.settings.model import Settings
 from tests.conftest import eventually
 from tests.serve_modes import (
     IN_PROCESS_ONLY,

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from gateway.core.errors import TableUnavailable
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis, find_redis_server, redis_servers_in
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub

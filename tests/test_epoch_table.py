@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from gateway import cli
+from gateway.cli import main as cli
 from gateway.core.errors import BadRequest, EpochTableError, KvgateError, ModelNotFound, VersionNotFound
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable, _raise_for

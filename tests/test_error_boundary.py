@@ -15,12 +15,12 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.errors import InvalidAdapter
 from gateway.core.identity import check_digest, check_logical_id, versioned_name
+from gateway.process.http_edge import free_port, running
 from gateway.request.proxy import Proxy
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.telemetry.metrics import Metrics
 from tests.conftest import MakeAdapter, eventually

@@ -15,14 +15,14 @@ import pytest
 from redis.asyncio import Redis
 
 import gateway
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.errors import AuditError, KvgateError
 from gateway.fleet.backends import VllmDialect
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.process.http_edge import running
 from gateway.proof.canary import Canary
-from gateway.serving import running
+from gateway.settings.model import Settings
 from gateway.table.snapshot import Snapshot
 from gateway.telemetry.metrics import Metrics
 from tests.stub_backend import StubState, build_stub

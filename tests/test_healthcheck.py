@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from gateway.healthcheck import check
-from gateway.serving import running
+from gateway.process.http_edge import running
 
 
 @pytest.mark.parametrize(

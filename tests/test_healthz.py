@@ -16,10 +16,10 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.app_keys import ADMIN_LISTENER
-from gateway.config import Settings
-from gateway.serving import free_port, running
+from gateway.app.keys import ADMIN_LISTENER
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import free_port, running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import EpochTable

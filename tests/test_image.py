@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import eventually, until_healthy
 from tests.stub_backend import StubState, build_stub

@@ -16,7 +16,7 @@ import aiohttp
 import redis as sync_redis
 from redis.asyncio import Redis
 
-from gateway.serving import running
+from gateway.process.http_edge import running
 from gateway.table import keys
 from gateway.table.callers import Callers, CallerSync, CallerTable, key_hash
 from gateway.table.redis_server import EmbeddedRedis

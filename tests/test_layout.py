@@ -31,7 +31,7 @@ TOP = 5  # app, cli, config, serving, demo, vllm_process: they wire the parts to
 
 
 def part_of(module: str) -> str:
-    """``gateway.fleet.loader`` -> ``fleet``; a top-level module (``gateway.app``) is its own part."""
+    """``gateway.fleet.loader`` -> ``fleet``; a top-level module (``gateway.app.wiring``) is its own part."""
     return module.split(".")[1]
 
 

@@ -14,10 +14,10 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.fleet.leases import Leases
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable

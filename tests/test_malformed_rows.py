@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from gateway.app import build_app
-from gateway.config import Settings
-from gateway.serving import running
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable

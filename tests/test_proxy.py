@@ -14,10 +14,10 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.wire import replica_id
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub

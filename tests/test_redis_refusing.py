@@ -20,10 +20,10 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.app_keys import LEASES
-from gateway.config import Settings
-from gateway.serving import running
+from gateway.app.keys import LEASES
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import live_gateways
 from gateway.table.redis_server import EmbeddedRedis

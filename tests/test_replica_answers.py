@@ -18,14 +18,14 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.errors import LoadFailed
 from gateway.fleet.backends import SglangDialect, VllmDialect
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints
 from gateway.fleet.replicas import ReplicaPool
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 

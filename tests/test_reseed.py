@@ -17,10 +17,10 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.model import Change, VersionState
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.reseed import PROVING_AT_ONCE, Reseeder

@@ -22,10 +22,10 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter, rollout_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.wire import ADMIN_TOKEN_HEADER
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter, eventually, until_healthy

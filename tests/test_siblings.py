@@ -11,9 +11,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.periodic import Supervisor
+from gateway.process.siblings import FRESH_SECONDS, WORKERS_DIR, Siblings, page_path, parent_views
 from gateway.request.health import Health
-from gateway.siblings import FRESH_SECONDS, WORKERS_DIR, Siblings, page_path, parent_views
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 

@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
-from gateway.serving import running
+from gateway.app.wiring import build_app
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.snapshot_file import FILE_NAME
 from tests.conftest import MakeAdapter, eventually

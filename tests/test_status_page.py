@@ -26,7 +26,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from gateway.adapters.publish import Published, publish_adapter, rollout_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.wire import replica_id
-from gateway.serving import free_port, running
+from gateway.process.http_edge import free_port, running
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.conftest import MakeAdapter, eventually, until_healthy

@@ -30,20 +30,20 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.app_keys import PURGER
-from gateway.config import Settings
+from gateway.app.keys import PURGER
+from gateway.app.wiring import build_app
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import Supervisor, periodically
+from gateway.process.http_edge import free_port, running
 from gateway.proof.canary import Canary
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.callers import CallerSync
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis, redis_servers_in
 from gateway.table.snapshot import SnapshotSync
+from gateway.tasks.supervisor import Supervisor, periodically
 from tests.conftest import MakeAdapter, eventually, until_healthy
 from tests.stub_backend import StubState, build_stub
 
@@ -218,7 +218,10 @@ async def test_serve_exits_1_when_its_embedded_redis_cannot_be_restarted(tmp_pat
     assert code == 1, text[-3000:]
     assert doc["background"]["embedded-redis"]["state"] == "running", "it was shown while it ran"
 
-    assert "CRITICAL gateway.periodic: kvgate is stopping: background task embedded-redis has been" in text
+    assert (
+        "CRITICAL gateway.tasks.supervisor: kvgate is stopping: background task embedded-redis has been"
+        in text
+    )
     last = text.strip().splitlines()[-1]
     assert last.startswith("kvgate serve: stopped: background task embedded-redis has been failing "), last
     assert "KvgateError: embedded redis-server did not start" in last
@@ -269,7 +272,7 @@ async def test_sigterm_with_a_load_in_flight_logs_no_unretrieved_task_exception(
 
 
 async def test_a_burst_of_failures_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gateway.periodic")
+    caplog.set_level(logging.INFO, logger="gateway.tasks.supervisor")
     supervisor = Supervisor(failure_limit=100)
     calls = 0
 
@@ -320,7 +323,7 @@ async def test_a_loop_that_keeps_failing_beside_a_fast_sibling_counts_as_failing
     burst of all, so a loop failing at every try beside a fast heartbeat restarted 288 times in 20 s, logged
     620 tracebacks and /healthz said 200. Failure is counted per loop: failing within the limit, backing
     off, one traceback for the burst; the burst ends when the failing loop steps again."""
-    caplog.set_level(logging.DEBUG, logger="gateway.periodic")
+    caplog.set_level(logging.DEBUG, logger="gateway.tasks.supervisor")
     supervisor = Supervisor(failure_limit=5)  # failing after 0.5 s
     crashing = True
     sibling_steps = 0

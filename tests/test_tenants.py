@@ -19,11 +19,11 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.app_keys import ADMIN_LISTENER
-from gateway.config import Settings
+from gateway.app.keys import ADMIN_LISTENER
+from gateway.app.wiring import build_app
 from gateway.core.wire import replica_id
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 from gateway.table.callers import CallerTable
 from gateway.table.epoch_table import EpochTable
 from tests.conftest import MakeAdapter, eventually

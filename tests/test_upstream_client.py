@@ -12,8 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.process.http_edge import free_port, running
 from gateway.request.upstream import HIGH_WATER, Upstream
-from gateway.serving import free_port, running
 from tests.stub_backend import StubState, build_stub
 
 HEADERS = {"Content-Type": "application/json"}

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.core.wire import replica_id
-from gateway.serving import running
+from gateway.process.http_edge import running
 from tests.conftest import eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_proxy import Gateway, client, stubs

@@ -21,12 +21,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.cli import main
-from gateway.config import Settings
-from gateway.serving import free_port, running
-from gateway.siblings import socket_path
+from gateway.cli.main import main
+from gateway.process.http_edge import free_port, running
+from gateway.process.parent import worker_count
+from gateway.process.siblings import socket_path
+from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.workers import worker_count
 from tests.conftest import MakeAdapter, eventually
 from tests.stub_backend import StubState, build_stub
 from tests.test_kv_follower import captured

@@ -39,7 +39,7 @@ from gateway.fleet.backends import answers
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.tokens import PromptTokens
-from gateway.periodic import Supervisor, raise_if_cancelling
+from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def followers_health(followers: dict[str, KvFollower], names: dict[str, str]) ->
 
 
 class PreciseSettings(Protocol):
-    """The settings ``precise_parts`` reads (``gateway.config.Settings`` has them)."""
+    """The settings ``precise_parts`` reads (``gateway.settings.model.Settings`` has them)."""
 
     @property
     def kv_events(self) -> bool: ...

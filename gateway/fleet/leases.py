@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED
 from gateway.table.leases import LeaseTable, UnloadClaim
+from gateway.tasks.supervisor import periodically
 
 log = logging.getLogger(__name__)
 Pair = tuple[str, str]  # (replica URL, versioned name)

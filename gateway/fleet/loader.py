@@ -29,9 +29,9 @@ from gateway.fleet.budget import SLOT_POLL, AdapterBudget
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
-from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, EpochTable
 from gateway.table.snapshot import Snapshot
+from gateway.tasks.supervisor import periodically
 from gateway.telemetry import tracing as attr
 from gateway.telemetry.metrics import Metrics
 

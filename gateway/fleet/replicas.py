@@ -26,8 +26,8 @@ from gateway.core.errors import MalformedAnswer, ReplicaBusy
 from gateway.core.identity import base_identity
 from gateway.core.model import VersionState
 from gateway.fleet.backends import AdapterListing, BackendDialect
-from gateway.periodic import periodically
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
+from gateway.tasks.supervisor import periodically
 
 log = logging.getLogger(__name__)
 

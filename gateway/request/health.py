@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.periodic import Supervisor
+from gateway.tasks.supervisor import Supervisor
 
 _SAME: Any = object()
 

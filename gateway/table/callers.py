@@ -30,10 +30,10 @@ from blake3 import blake3
 
 from gateway.core.errors import BadRequest, CallerNotFound, InvalidAdapter, KeysUnavailable, MalformedRow
 from gateway.core.identity import check_logical_id
-from gateway.periodic import periodically, progressed, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import REDIS_DOWN, Clock, wall_clock_ms
+from gateway.tasks.supervisor import periodically, progressed, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from gateway.periodic import progressed, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.connection import RedisClient
+from gateway.tasks.supervisor import progressed, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 

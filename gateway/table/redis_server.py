@@ -39,7 +39,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from gateway.core.errors import KvgateError, TableUnavailable
-from gateway.periodic import periodically
+from gateway.tasks.supervisor import periodically
 
 log = logging.getLogger(__name__)
 

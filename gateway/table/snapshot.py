@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from gateway.core.model import TableView, VersionState
-from gateway.periodic import periodically, progressed, raise_if_cancelling
 from gateway.table import keys
 from gateway.table.changelog import START, Agreement, ChangeLog, Entry, _text, entry_id
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
@@ -38,6 +37,7 @@ from gateway.table.hints import ReplicaHint, ReplicaHints
 from gateway.table.reseed import Reseeder
 from gateway.table.rows import row_hash
 from gateway.table.snapshot_file import Saved, SnapshotFile
+from gateway.tasks.supervisor import periodically, progressed, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)

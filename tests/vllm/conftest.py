@@ -24,13 +24,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from redis.asyncio import Redis
 
-from gateway.app import build_app
-from gateway.app_keys import ADMIN_LISTENER
-from gateway.config import Settings
-from gateway.serving import free_port, running
+from gateway.app.keys import ADMIN_LISTENER
+from gateway.app.wiring import build_app
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.process.http_edge import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from tests.conftest import flushed_client
 
 

@@ -19,11 +19,11 @@ from gateway.adapters.publish import publish_adapter
 from gateway.agent.server import FETCHER, build_agent
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt
+from gateway.dev.vllm_process import VllmProcess
 from gateway.fleet.backends import fetch_model_list
+from gateway.process.http_edge import running
 from gateway.proof.experiment import complete, long_prompt
-from gateway.serving import running
 from gateway.table.epoch_table import EpochTable
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

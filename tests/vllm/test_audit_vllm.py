@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from gateway.core.identity import scan_adapter, tree_digest
+from gateway.dev.vllm_process import VllmProcess
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json, post_json, run_kvgate
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

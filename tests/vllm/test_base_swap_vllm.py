@@ -23,10 +23,10 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.core.wire import REPLICA_HEADER, replica_id
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec
+from gateway.process.http_edge import free_port
 from gateway.proof.audit import COHERENT, MISMATCH, GatewayTarget, audit_round
-from gateway.serving import free_port
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec
 from tests.conftest import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 

@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 
 from gateway.core.wire import cold_salt
+from gateway.dev.vllm_process import VllmProcess
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import Sample, complete
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]

@@ -15,7 +15,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from gateway.vllm_process import VllmProcess
+from gateway.dev.vllm_process import VllmProcess
 from tests.conftest import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from gateway.core.wire import cold_salt
+from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import complete, long_prompt
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import post_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

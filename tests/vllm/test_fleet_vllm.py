@@ -25,13 +25,13 @@ from redis.asyncio import Redis
 
 from gateway.core.errors import AuditError
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
+from gateway.dev.vllm_process import VllmProcess
 from gateway.fleet.backends import fetch_model_list
+from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete
-from gateway.serving import free_port
-from gateway.settings_table import flag
+from gateway.settings.flags import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.conftest import eventually, swap_back, swap_bytes
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 

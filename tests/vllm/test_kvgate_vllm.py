@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt, replica_id
+from gateway.dev.vllm_process import VllmProcess
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -11,11 +11,11 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
+from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.audit import GatewayTarget
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.callers import CallerTable
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from gateway.core.wire import replica_id
+from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -24,12 +24,12 @@ from gateway.core.wire import (
     REPLICA_HEADER,
     VERSION_HEADER,
 )
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec
 from gateway.fleet.tokens import PromptTokens
+from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete, long_prompt
-from gateway.serving import free_port
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec
 from tests.conftest import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kv_events_args, kvgate_json
 from tests.vllm.test_fleet_vllm import kvgate_process

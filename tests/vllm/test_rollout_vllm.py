@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt, replica_id
+from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess
 from tests.conftest import eventually, swap_back, swap_bytes
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 

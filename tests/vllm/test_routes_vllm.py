@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.wire import replica_id
+from gateway.dev.vllm_process import VllmProcess
 from gateway.table.epoch_table import EpochTable
-from gateway.vllm_process import VllmProcess
 from tests.conftest import eventually
 from tests.vllm.conftest import Gateway
 

@@ -1,7 +1,7 @@
 """kvgate's background tasks, each a ``cleanup_ctx`` that starts it under the app's ``Supervisor`` once the
-components exist (``gateway.app``'s ``components``) and stops it in reverse: the snapshot sync, the API-key
-sync, the replica poller, the lease heartbeat, the adapter sweep, the canary and rollout gate, the purger
-(purge-all) and the KV event followers."""
+components exist (``gateway.app.wiring``'s ``components``) and stops it in reverse: the snapshot sync, the
+API-key sync, the replica poller, the lease heartbeat, the adapter sweep, the canary and rollout gate, the
+purger (purge-all) and the KV event followers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.app_keys import (
+from gateway.app.keys import (
     ACTIVITY,
     BASE_PRINTS,
     CALLERS,
@@ -34,12 +34,12 @@ from gateway.app_keys import (
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
 from gateway.fleet.kv_follower import follow_events
-from gateway.periodic import periodically
 from gateway.proof.canary import Canary
 from gateway.proof.gate import Gate, GateRules
 from gateway.table.callers import CallerSync, CallerTable
 from gateway.table.snapshot import SnapshotSync
 from gateway.table.snapshot_file import snapshot_file
+from gateway.tasks.supervisor import periodically
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.config import Settings
 from gateway.core.errors import BadRequest, KvgateError, RequestTimeout, TooManyConnections
+from gateway.settings.model import Settings
 
 
 @dataclass(frozen=True, slots=True)

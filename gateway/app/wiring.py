@@ -1,8 +1,8 @@
-"""The aiohttp application: components wired with typed ``AppKey``s (``app_keys``), each started by its
+"""The aiohttp application: components wired with typed ``AppKey``s (``keys.py``), each started by its
 ``cleanup_ctx``.
 
 Start order: one shared ClientSession and the components (``_components``), then the background tasks of
-``gateway.background``: epoch table and snapshot (first read before serving) → API keys (first read
+``gateway.app.background``: epoch table and snapshot (first read before serving) → API keys (first read
 before serving, when on) → replica poller (first poll before serving) → lease heartbeat → drain/unload
 sweeper → canary and rollout gate → purger → KV event followers. Stopped in reverse (the leases are let go
 on the way out). Every background task runs under one ``Supervisor`` (``app[SUPERVISOR]``; serve's also
@@ -24,9 +24,9 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from gateway import background
 from gateway.adapters.stores import location_prefix, open_store
-from gateway.app_keys import (
+from gateway.app import background
+from gateway.app.keys import (
     ACTIVITY,
     ADMIN,
     ADMIN_LISTENER,
@@ -52,7 +52,6 @@ from gateway.app_keys import (
     TRACER,
     VERDICTS,
 )  # fmt: skip
-from gateway.config import Settings
 from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
@@ -64,7 +63,8 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import Supervisor
+from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
+from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
 from gateway.request.auth import Auth
 from gateway.request.boundary import ServerLog, openai_errors
@@ -74,15 +74,15 @@ from gateway.request.proxy import Proxy, ProxyOptions
 from gateway.request.routes import ROUTES, Route
 from gateway.request.status_page import PATH as STATUS_PAGE
 from gateway.request.status_page import operator_fields, status_page
-from gateway.serving import EDGE, EdgeLimits, session_timeout
-from gateway.settings_table import tenant_warnings
-from gateway.siblings import Siblings
+from gateway.settings.flags import tenant_warnings
+from gateway.settings.model import Settings
 from gateway.table.callers import Callers
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -104,7 +104,7 @@ def build_app(
         handler_args={"logger": ServerLog(logging.getLogger("aiohttp.server"))},
     )
     app[SETTINGS] = settings
-    app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (gateway.serving)
+    app[EDGE] = EdgeLimits.of(settings)  # deadlines and limits on client connections (process/http_edge.py)
     app[METRICS] = metrics = metrics or Metrics(
         top_k=settings.metrics_top_k, rerank_interval=settings.metrics_rerank_interval
     )

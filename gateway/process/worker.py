@@ -1,9 +1,9 @@
-"""``python -m gateway.worker``: one worker of ``kvgate serve --workers N``, started by its parent
-(``gateway/workers.py``) with the parent's ``serve`` arguments after ``--`` and its listening sockets as
-inherited descriptors. Not a command for people: ``kvgate serve`` starts it.
+"""``python -m gateway.process.worker``: one worker of ``kvgate serve --workers N``, started by its parent
+(``gateway/process/parent.py``) with the parent's ``serve`` arguments after ``--`` and its listening sockets
+as inherited descriptors. Not a command for people: ``kvgate serve`` starts it.
 
 It reads its settings exactly as its parent did (the same arguments, environment and config file), takes
-the parent's embedded Redis by its socket and a gateway id of its own (``workers.for_worker``), and dies
+the parent's embedded Redis by its socket and a gateway id of its own (``parent.for_worker``), and dies
 with its parent (Linux ``PR_SET_PDEATHSIG``: SIGKILL), even when the parent is killed with SIGKILL.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import uvloop
 
-from gateway.cli import build_parser, serve, settings_from
+from gateway.cli.main import build_parser, serve, settings_from
 from gateway.core.errors import KvgateError
-from gateway.siblings import Siblings
+from gateway.process.parent import WorkerPlace, for_worker
+from gateway.process.siblings import Siblings
 from gateway.telemetry.tracing import tracer_provider_from_env
-from gateway.workers import WorkerPlace, for_worker
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -43,7 +43,9 @@ def _inherited(fd: int | None) -> socket.socket | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway.process.worker", description=__doc__.splitlines()[0]
+    )
     for name in ("--slot", "--count", "--restarts", "--parent", "--api-fd"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--admin-fd", type=int)

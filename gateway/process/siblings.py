@@ -41,8 +41,8 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.periodic import Supervisor, periodically
 from gateway.request.health import Health, Views, add_tasks
+from gateway.tasks.supervisor import Supervisor, periodically
 from gateway.telemetry.merge import counters_only, merge_pages
 from gateway.telemetry.metrics import Metrics
 

@@ -10,8 +10,8 @@ import signal
 from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.agent.server import build_agent
-from gateway.config import Settings
-from gateway.serving import running
+from gateway.process.http_edge import running
+from gateway.settings.model import Settings
 
 
 async def cmd_agent(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:

@@ -1,5 +1,5 @@
-"""The typed ``AppKey`` of each component of kvgate's aiohttp application (``gateway.app`` builds them,
-``gateway.background`` starts the background tasks that use them)."""
+"""The typed ``AppKey`` of each component of kvgate's aiohttp application (``gateway.app.wiring`` builds them,
+``gateway.app.background`` starts the background tasks that use them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
-from gateway.config import Settings
 from gateway.fleet.base_prints import BasePrints
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.kv_follower import KvFollower
@@ -16,17 +15,18 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.periodic import Supervisor
+from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth
 from gateway.request.drain import Drain
 from gateway.request.proxy import Proxy
-from gateway.siblings import Siblings
+from gateway.settings.model import Settings
 from gateway.table.callers import Callers
 from gateway.table.epoch_table import EpochTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.metrics import Metrics
 
 SETTINGS = web.AppKey("settings", Settings)

@@ -19,14 +19,14 @@ from redis.asyncio import Redis
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
-from gateway.app import build_app
-from gateway.config import Settings
+from gateway.app.wiring import build_app
 from gateway.core.errors import AuditError
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.process.http_edge import free_port, running
 from gateway.proof.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
-from gateway.serving import free_port, running
+from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from gateway.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 
 LOGICAL_ID = "tenant-42"
 DEMO_TOKEN = "demo-admin-token"

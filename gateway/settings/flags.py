@@ -1,6 +1,7 @@
 """The settings as command-line flags and as a markdown table, both generated from ``Settings``.
 
-The table heads docs/configuration.md (``python -m gateway.config_reference --write docs/configuration.md``).
+The table heads docs/configuration.md
+(``python -m gateway.settings.reference --write docs/configuration.md``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import SecretStr
 
-from gateway.config import Settings
+from gateway.settings.model import Settings
 
 COMMANDS = (
     "serve",
@@ -44,7 +45,7 @@ _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
     "audit": _ACKED
     | {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"},
-    # publish asks the replicas which base they serve and fingerprints it (cli_base.py)
+    # publish asks the replicas which base they serve and fingerprints it (cli/base_model.py)
     "publish": _ACKED
     | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
     "rollback": _ACKED,

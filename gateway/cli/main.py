@@ -1,5 +1,5 @@
-"""``kvgate``: serve, publish, rollback, bump, audit (``cli_audit.py``), demo, keys (``cli_keys.py``),
-status, versions, history, gc (``cli_ops.py``), rollout, promote, abort (``cli_rollout.py``), script.
+"""``kvgate``: serve, publish, rollback, bump, audit (``cli/audit.py``), demo, keys (``cli/keys.py``),
+status, versions, history, gc (``cli/ops.py``), rollout, promote, abort (``cli/rollout.py``), script.
 
 Every option also reads from ``KVGATE_<NAME>`` and from a TOML config file (``--config``).
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 otherwise).
@@ -27,28 +27,28 @@ from gateway.adapters.objstore import is_object_url
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.source import local_source
 from gateway.adapters.stores import open_store
-from gateway.app import build_app, local_health
-from gateway.app_keys import ADMIN_LISTENER, DRAIN, METRICS
-from gateway.cli_agent import cmd_agent
-from gateway.cli_audit import cmd_audit
-from gateway.cli_base import choose_base
-from gateway.cli_keys import add_keys_parser, check_keys_arguments, run_keys_command
-from gateway.cli_ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
-from gateway.cli_rollout import add_rollout_parsers, cmd_abort, cmd_promote, cmd_rollout
-from gateway.config import Settings, load_settings
-from gateway.config_files import describe_invalid
+from gateway.app.keys import ADMIN_LISTENER, DRAIN, METRICS
+from gateway.app.wiring import build_app, local_health
+from gateway.cli.agent import cmd_agent
+from gateway.cli.audit import cmd_audit
+from gateway.cli.base_model import choose_base
+from gateway.cli.keys import add_keys_parser, check_keys_arguments, run_keys_command
+from gateway.cli.ops import add_ops_parsers, cmd_gc, cmd_history, cmd_status, cmd_versions, publish_progress
+from gateway.cli.rollout import add_rollout_parsers, cmd_abort, cmd_promote, cmd_rollout
+from gateway.cli.table_access import open_table
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.core.identity import check_logical_id, versioned_name
 from gateway.fleet.backends import dialect_for
-from gateway.open_table import open_table
-from gateway.periodic import Supervisor
-from gateway.serving import running
-from gateway.settings_table import add_setting_flags, flag_overrides, unknown_environment
+from gateway.process.http_edge import running
+from gateway.process.parent import WorkerPlace, run_workers, worker_count
+from gateway.settings.config_file import describe_invalid
+from gateway.settings.flags import add_setting_flags, flag_overrides, unknown_environment
+from gateway.settings.model import Settings, load_settings
 from gateway.table.callers import CallerTable
 from gateway.table.scripts import assemble_script, operation_names
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.tracing import tracer_provider_from_env
-from gateway.workers import WorkerPlace, run_workers, worker_count
 
 
 def _common(parser: argparse.ArgumentParser, command: str) -> None:
@@ -188,7 +188,7 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings, tracing: Trace
             f"none for {', '.join(alone)}"
         )
     count = worker_count(settings)
-    if count > 1:  # a parent of `count` workers (gateway/workers.py), each running `serve` below
+    if count > 1:  # a parent of `count` workers (gateway/process/parent.py), each running `serve` below
         await run_workers(settings, tracing, count, args.argv)
     else:
         await serve(settings, tracing)
@@ -238,7 +238,7 @@ async def cmd_keys(args: argparse.Namespace, settings: Settings, tracing: Tracer
 
 
 async def cmd_demo(args: argparse.Namespace, settings: Settings, tracing: TracerProvider | None) -> None:
-    from gateway.demo import run_demo
+    from gateway.dev.demo import run_demo
 
     if not await run_demo(settings, vllm_python=args.vllm_python, fixture_dir=args.fixture_dir):
         raise KvgateError("the demo did not show the fault on the direct path and coherence through kvgate")

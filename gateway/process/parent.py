@@ -1,8 +1,8 @@
 """``kvgate serve --workers N``: the parent process of N workers serving one port (docs/workers.md).
 
 The parent binds the API listener (and the admin listener, when ``admin_port`` is set) once and passes the
-listening sockets to every worker it starts (``python -m gateway.worker``): the workers accept from the
-one kernel queue, so a worker that dies or is starting loses no connection (its siblings take them), and
+listening sockets to every worker it starts (``python -m gateway.process.worker``): the workers accept from
+the one kernel queue, so a worker that dies or is starting loses no connection (its siblings take them), and
 ``--port 0`` is one port for all. The parent serves no request. It owns the embedded Redis (and supervises
 it, as one-process serve does), starts the workers once it answers, restarts a worker that exits (logged;
 the new one reports ``kvgate_worker_restarts_total``), and on SIGTERM or SIGINT sends SIGTERM to every
@@ -32,14 +32,14 @@ from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from gateway.config import Settings
+from gateway.cli.table_access import open_table
 from gateway.core.errors import BadRequest, KvgateError
-from gateway.open_table import open_table
-from gateway.periodic import Supervisor
-from gateway.serving import BACKLOG
-from gateway.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
+from gateway.process.http_edge import BACKLOG
+from gateway.process.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
+from gateway.settings.model import Settings
+from gateway.tasks.supervisor import Supervisor
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.process.parent")
 
 STEADY_S = 30.0  # a worker that lived this long was not crash-looping: its slot's failure streak resets
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # waits before restarting a slot that failed 1, 2, 3, 4+ times in a row
@@ -123,8 +123,9 @@ class Workers:
         """A worker for ``slot``, and the read end of its readiness pipe."""
         ready_read, ready_write = os.pipe()
         fds = [self.api.fileno(), ready_write, *([self.admin.fileno()] if self.admin else [])]
-        command = [sys.executable, "-m", "gateway.worker", "--slot", str(slot), "--count", str(self.count),
-                   "--restarts", str(self.restarts[slot]), "--parent", str(os.getpid()),
+        command = [sys.executable, "-m", "gateway.process.worker", "--slot", str(slot),
+                   "--count", str(self.count), "--restarts", str(self.restarts[slot]),
+                   "--parent", str(os.getpid()),
                    "--api-fd", str(fds[0]), "--ready-fd", str(ready_write),
                    *(["--admin-fd", str(fds[2])] if self.admin else []), "--", *self.argv]  # fmt: skip
         try:

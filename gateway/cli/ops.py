@@ -25,7 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 
 from gateway.adapters import gc
 from gateway.adapters.stores import open_store
-from gateway.config import Settings
+from gateway.cli.table_access import open_table
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
 from gateway.core.identity import ManifestEntry, check_logical_id
@@ -33,7 +33,7 @@ from gateway.core.model import VersionState
 from gateway.core.split import rollout_view
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import dialect_for
-from gateway.open_table import open_table
+from gateway.settings.model import Settings
 from gateway.table.inventory import read_versions
 from gateway.table.leases import live_gateways
 

@@ -16,12 +16,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from gateway.adapters.publish import rollout_adapter
 from gateway.adapters.source import local_source
 from gateway.adapters.stores import open_store
-from gateway.cli_base import choose_base
-from gateway.config import Settings
+from gateway.cli.base_model import choose_base
+from gateway.cli.table_access import open_table
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest
 from gateway.core.identity import check_logical_id, versioned_name
-from gateway.open_table import open_table
+from gateway.settings.model import Settings
 from gateway.table import rollouts
 
 Common = Callable[[argparse.ArgumentParser, str], None]

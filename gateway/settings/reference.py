@@ -1,8 +1,8 @@
-"""``docs/configuration.md``, generated from ``Settings`` (gateway/config.py): every setting with its flag,
-environment variable, TOML key, type and bounds, default, the commands that take it and its description,
-then the rules between settings (the model's validators, by their docstrings).
+"""``docs/configuration.md``, generated from ``Settings`` (gateway/settings/model.py): every setting with its
+flag, environment variable, TOML key, type and bounds, default, the commands that take it and its
+description, then the rules between settings (the model's validators, by their docstrings).
 
-    python -m gateway.config_reference --write docs/configuration.md   # --check: exit 1 if it drifted
+    python -m gateway.settings.reference --write docs/configuration.md   # --check: exit 1 if it drifted
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 import annotated_types
 from pydantic import SecretStr
 
-from gateway import generated_docs
-from gateway.config import Settings
-from gateway.settings_table import (
+from gateway.dev import generated_docs
+from gateway.settings.flags import (
     COMMANDS,
     NOT_SETTINGS,
     default,
@@ -30,12 +29,13 @@ from gateway.settings_table import (
     markdown,
     setting_names,
 )
+from gateway.settings.model import Settings
 
 TITLE = "# Configuration reference\n"
-COMMAND = "python -m gateway.config_reference --write docs/configuration.md"
+COMMAND = "python -m gateway.settings.reference --write docs/configuration.md"
 TEST = "tests/test_config_reference.py"
 HEADER = """\
-Generated from `Settings` in gateway/config.py by `python -m gateway.config_reference --write
+Generated from `Settings` in gateway/settings/model.py by `python -m gateway.settings.reference --write
 docs/configuration.md`; tests/test_config_reference.py fails when this file drifts. Do not edit by hand.
 
 Every setting is a command-line flag, a `KVGATE_<NAME>` environment variable and a key in a TOML file named
@@ -131,7 +131,7 @@ def rules() -> str:
 
 
 def at_a_glance() -> str:
-    """The settings table (settings_table.markdown), each name linked to its section."""
+    """The settings table (flags.markdown), each name linked to its section."""
     table = markdown()
     for name in Settings.model_fields:
         table = table.replace(f"| `{name}` |", f"| [`{name}`](#{name}) |", 1)
@@ -161,7 +161,7 @@ def document() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.config_reference", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gateway.settings.reference", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", type=Path, metavar="FILE", help="write the reference to FILE")

@@ -8,10 +8,10 @@ that is missing, not a regular file, unreadable, not UTF-8 or not TOML is an err
 Each field's docstring is its description, and the model is the one list of settings: each field is a
 flag ``--field-name`` (``replicas`` keeps ``--replica URL``, repeated), typed by its annotation, and a
 ``KVGATE_FIELD_NAME`` variable. ``serve`` takes every setting; the other commands take the ones they use
-(``settings_table.setting_names``). docs/configuration.md is generated from it too, by
-``gateway/config_reference.py``; after changing a setting::
+(``flags.setting_names``). docs/configuration.md is generated from it too, by
+``gateway/settings/reference.py``; after changing a setting::
 
-    python -m gateway.config_reference --write docs/configuration.md   # --check: exit 1 if it drifted
+    python -m gateway.settings.reference --write docs/configuration.md   # --check: exit 1 if it drifted
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pydantic_settings import (
 )
 
 from gateway.adapters.store import DEFAULT_MAX_BYTES
-from gateway.config_files import read_config_file
 from gateway.core.identity import base_identity
+from gateway.settings.config_file import read_config_file
 from gateway.telemetry.top_ids import DEFAULT_RERANK_INTERVAL, DEFAULT_TOP_K
 
 

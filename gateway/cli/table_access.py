@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from opentelemetry.sdk.trace import TracerProvider
 from redis.exceptions import RedisError
 
-from gateway.config import Settings
 from gateway.core.errors import TableUnavailable
-from gateway.periodic import Supervisor
+from gateway.settings.model import Settings
 from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.tracing import tracer_from
 
 REVIVE_PERIOD_S = 2.0

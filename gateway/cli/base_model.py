@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from gateway.config import Settings
 from gateway.core import base_print
 from gateway.core.errors import BadRequest
 from gateway.core.identity import base_identity
 from gateway.fleet.backends import AdapterListing, BackendDialect, dialect_for
 from gateway.fleet.base_prints import probe
+from gateway.settings.model import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 START = "<!-- generated-start"
 END = "<!-- generated-end -->"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

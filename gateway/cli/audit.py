@@ -10,10 +10,9 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.adapters.publish import publish_adapter
 from gateway.adapters.stores import open_store
-from gateway.config import Settings
+from gateway.cli.table_access import open_table
 from gateway.core.errors import BadRequest
 from gateway.core.identity import check_logical_id
-from gateway.open_table import open_table
 from gateway.proof.audit import (
     CANNOT_AUDIT,
     AuditTarget,
@@ -27,6 +26,7 @@ from gateway.proof.audit import (
     run_shell,
 )
 from gateway.proof.audit import to_json as audit_json
+from gateway.settings.model import Settings
 from gateway.telemetry.tracing import tracer_from
 
 
