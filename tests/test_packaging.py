@@ -68,3 +68,17 @@ def test_installed_wheel_assembles_every_script(wheel: Path, tmp_path: Path) -> 
     lib = (ROOT / "lua" / "lib" / "common.lua").read_text()
     assert set(found["scripts"]) == {path.stem for path in (ROOT / "lua").glob("*.lua")}
     assert all(lib in text for text in found["scripts"].values())
+
+
+def test_wheel_ships_every_module_and_the_command(wheel: Path) -> None:
+    """setuptools' packages list names every part (one left out installs without its modules), and the
+    ``kvgate`` console script names a module the wheel ships."""
+    names = zipfile.ZipFile(wheel).namelist()
+    on_disk = {path.relative_to(ROOT).as_posix() for path in (ROOT / "gateway").rglob("*.py")}
+    assert sorted(on_disk - set(names)) == []
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    (target,) = [line.split("=", 1)[1].strip() for line in scripts.splitlines() if line.startswith("kvgate ")]
+    module, _, function = target.partition(":")
+    assert module.replace(".", "/") + ".py" in names, target
+    assert f"def {function}(" in (ROOT / (module.replace(".", "/") + ".py")).read_text(), target
