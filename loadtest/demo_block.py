@@ -1,5 +1,6 @@
-"""The README's demo block: ``make demo``'s command run, its standard output shown as it comes and written
-into the README between the generated-block markers, with the date and the tree (gateway/dev/generated_docs.py).
+"""The README's demo block: ``make demo``'s command run, its standard output shown as it comes and
+written into the README between the generated-block markers, with the date and the tree
+(gateway/dev/generated_docs.py).
 
 It runs what ``make demo``'s recipe runs (``kvgate demo`` with the same data directory), this tree's code;
 kvgate's log lines go to stderr and are left out, as the block says. Nothing is written if the demo did not
