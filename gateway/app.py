@@ -58,7 +58,7 @@ from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
-from gateway.fleet.base_prints import BasePrints, mismatch_report
+from gateway.fleet.base_prints import BasePrints, disagreements, mismatch_report
 from gateway.fleet.invalidation import VERSION_SCOPED
 from gateway.fleet.kv_follower import followers_health, precise_parts
 from gateway.fleet.leases import Leases
@@ -181,6 +181,7 @@ def local_health(app: web.Application) -> tuple[dict[str, Any], bool]:
     body = {
         "replicas_healthy": len(pool.healthy()),
         "replicas": len(pool.replicas),
+        "base_disagreements": len(disagreements(pool)),  # which, and why: /kvgate/status
         "snapshot_flushed": snapshot.flushed,
         "logical_ids": len(snapshot.current_names()),
         "table": {"generation": snapshot.generation, **app[RESEEDER].health(), **snapshot.health()},
@@ -225,7 +226,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
             report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()],
-                            "base_mismatches": mismatch_report(pool, snapshot)},
+                            "base_mismatches": mismatch_report(pool, snapshot),
+                            "base_disagreements": disagreements(pool)},
         )  # fmt: skip
         app[LOADER] = AdapterLoader(
             app[POOL],

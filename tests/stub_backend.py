@@ -9,9 +9,11 @@ seen twice is a duplicate upstream request), for load tests that run the stub as
 A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
 requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
 eviction took an adapter from under a request.
-kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered with
-greedy text and token logprobs that follow ``weights`` (change it: another base under the same name)
-and counted in ``probes``, apart from the requests tests look at.
+kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered as vLLM
+answers it (``echo``: the prompt's tokens and teacher-forced logprobs) with logprobs that follow
+``weights`` (change it: another base under the same name; ``odd_probes``: the weights of the next few
+probe answers only, a replica that answers odd once), counted in ``probes``, apart from the requests tests
+look at.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class StubState:
     unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
     weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
     probes: int = 0  # base-fingerprint probes answered
+    odd_probes: list[int] = field(default_factory=list)  # weights the next probes answer with, first first
 
 
 STUB = web.AppKey("stub", StubState)
@@ -125,7 +128,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if body.get("prompt") == PROBE_PROMPT and body.get("model") == state.base:
         state.probes += 1
-        return web.json_response(_probe_answer(state.weights))
+        return web.json_response(probe_answer(state.odd_probes.pop(0) if state.odd_probes else state.weights))
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
     state.completions += 1
@@ -191,11 +194,15 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
     return response
 
 
-def _probe_answer(weights: int) -> dict[str, Any]:
-    logprobs = {"token_logprobs": [-0.5 - 0.01 * weights - 0.001 * i for i in range(8)]}
-    choice = {"index": 0, "text": f" w{weights}", "logprobs": logprobs, "finish_reason": "length"}
-    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}}  # fmt: skip
+def probe_answer(weights: int) -> dict[str, Any]:
+    """The probe's prompt echoed with a logprob per token (none for the first), as vLLM answers ``echo``
+    with ``logprobs``, and one generated token; other ``weights`` move every logprob by 0.5."""
+    tokens = PROBE_PROMPT.split()
+    logprobs = [None, *(-2.0 - 0.5 * weights - 0.01 * i for i in range(1, len(tokens)))]
+    doc = {"tokens": [*tokens, " w"], "token_logprobs": [*logprobs, -0.1]}
+    choice = {"index": 0, "text": f"{PROBE_PROMPT} w", "logprobs": doc, "finish_reason": "length"}
+    usage = {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1}
+    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice], "usage": usage}
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from gateway.core.base_print import PROBE_PROMPT
 from gateway.serving import running
+from tests.stub_backend import probe_answer
 
 __all__ = ["SGLANG_STUB", "SglangStubState", "adapter_text", "build_sglang_stub", "run_sglang_stub"]
 
@@ -127,8 +128,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     model = body["model"]
     if model == state.base and body.get("prompt") == PROBE_PROMPT:
         state.probes.append(body)
-    else:
-        state.received.append(body)
+        return web.json_response(probe_answer(state.weights))  # SGLang echoes a prompt's logprobs too
+    state.received.append(body)
     if model != state.base and model not in state.adapters:
         error = {"object": "error", "message": f"LoRA adapter {model} is not loaded", "type": "BadRequest"}
         return web.json_response(error | {"code": 400}, status=400)

@@ -10,7 +10,7 @@ mark that replica with the reason (unhealthy, or not fingerprinted) and go on wi
 - ``reason_of``: a refusal's words, for people (never raises: bytes that are not UTF-8 are replaced).
 - ``model_list``: ``/v1/models`` as an ``AdapterListing``.
 - ``start_time``: ``process_start_time_seconds`` in ``/metrics`` (None when it is not there).
-- ``probe_choice``: the base-fingerprint probe's greedy text and token logprobs.
+- ``probe_choice``: the base-fingerprint probe's prompt tokens and their teacher-forced logprobs.
 """
 
 from __future__ import annotations
@@ -157,21 +157,26 @@ def start_time(body: bytes) -> float | None:
 
 
 def probe_choice(doc: Any) -> tuple[str, list[float]]:
-    """The probe's ``choices[0]``: its text and its token logprobs (finite numbers; vLLM's first token's
-    logprob may be ``null`` only in prompt logprobs, never here)."""
+    """The teacher-forced probe's prompt (``echo`` with ``logprobs``): its tokens joined by NUL (what
+    tells one tokenizer from another) and the logprob of each of them but the first (which has none),
+    finite numbers. ``usage.prompt_tokens`` says how many of the echoed tokens are the prompt's."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise MalformedAnswer("the probe's answer has no choices[0] object")
-    choice = choices[0]
-    text, logprobs = choice.get("text"), choice.get("logprobs")
-    if not isinstance(text, str):
-        raise MalformedAnswer(f"the probe's text is {_kind(text)}, not a string")
-    tokens = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-    if not isinstance(tokens, list) or not tokens:
-        raise MalformedAnswer("the probe's answer has no token_logprobs list")
-    values: list[float] = []
-    for value in tokens:
+    logprobs = choices[0].get("logprobs")
+    usage = doc.get("usage")
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+        raise MalformedAnswer(f"the probe's usage.prompt_tokens is {_kind(count)}, not a count above 1")
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(tokens, list) or not isinstance(values, list) or min(len(tokens), len(values)) < count:
+        raise MalformedAnswer("the probe's answer does not echo its prompt's tokens and token_logprobs")
+    if not all(isinstance(token, str) for token in tokens[:count]):
+        raise MalformedAnswer("a probe token is not a string")
+    scored: list[float] = []
+    for value in values[1:count]:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise MalformedAnswer(f"a probe token logprob is {_kind(value)} {str(value)[:40]}")
-        values.append(float(value))
-    return text, values
+        scored.append(float(value))
+    return "\0".join(tokens[:count]), scored
