@@ -79,14 +79,19 @@ probe_like = st.fixed_dictionaries(
                 optional={
                     "text": any_json,
                     "logprobs": st.fixed_dictionaries(
-                        {}, optional={"token_logprobs": st.lists(scalars, max_size=4) | any_json}
+                        {},
+                        optional={
+                            "token_logprobs": st.lists(scalars, max_size=4) | any_json,
+                            "tokens": st.lists(st.text(max_size=3) | any_json, max_size=4) | any_json,
+                        },
                     ),
                 },
             )
             | any_json,
             max_size=2,
         )
-        | any_json
+        | any_json,
+        "usage": st.fixed_dictionaries({}, optional={"prompt_tokens": st.integers(-1, 5) | any_json}),
     },
 )
 raw_bytes = st.binary(max_size=64)
