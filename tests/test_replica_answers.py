@@ -141,9 +141,17 @@ async def test_a_start_time_that_is_no_number_leaves_that_replica_without_a_prin
     ("answer", "reason"),
     [
         (HTML, "not JSON"),
-        ((200, "application/json", b'{"choices": [{"text": 5}]}'), "text is a number"),
         (
-            (200, "application/json", b'{"choices": [{"text": "x", "logprobs": {"token_logprobs": ["a"]}}]}'),
+            (200, "application/json", b'{"choices": [{"text": 5}], "usage": {"prompt_tokens": "2"}}'),
+            "prompt_tokens is a string",
+        ),
+        (
+            (
+                200,
+                "application/json",
+                b'{"choices": [{"logprobs": {"tokens": ["a", "b"], "token_logprobs": '
+                b'[null, "a"]}}], "usage": {"prompt_tokens": 2}}',
+            ),
             "logprob is a string",
         ),
         ((200, "application/json", b'{"choices": {}}'), "no choices[0]"),
