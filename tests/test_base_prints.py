@@ -449,3 +449,22 @@ async def test_replicas_whose_bytes_agree_are_one_base_and_a_behaviour_disagreem
             await eventually(lambda: asyncio.to_thread(cli_says), "kvgate status says so", 30)
     assert a.loads, "a served the version"
     assert b.loads, "b served the version"
+
+
+async def test_the_same_bytes_published_again_with_a_print_taken_again_change_nothing(
+    table: EpochTable, store: AdapterStore, make_adapter: MakeAdapter
+) -> None:
+    adapter = make_adapter(b"v1")
+    first = base_print.take("a b", [PROBE], floor=0.05).encode()
+    again = base_print.take("a b", [noisy(PROBE, 7, 0.01)], floor=0.05).encode()
+    assert again != first
+    done = await publish_adapter(table, store, "tenant-42", adapter, "base", base_print=first)
+    same = await publish_adapter(table, store, "tenant-42", adapter, "base", base_print=again)
+    assert not same.change.changed
+    assert same.change.epoch == done.change.epoch
+    other = base_print.take("a b", [[x - 0.5 for x in PROBE]], floor=0.05).encode()
+    swapped = await publish_adapter(table, store, "tenant-42", adapter, "base", base_print=other)
+    assert swapped.change.changed, "another base: a new epoch"
+    state = await table.read_state("tenant-42")
+    assert state is not None
+    assert state.base_print == other
