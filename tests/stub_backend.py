@@ -9,11 +9,10 @@ seen twice is a duplicate upstream request), for load tests that run the stub as
 A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
 requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
 eviction took an adapter from under a request.
-kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered as vLLM
-answers it (``echo``: the prompt's tokens and teacher-forced logprobs) with logprobs that follow
-``weights`` (change it: another base under the same name; ``odd_probes``: the weights of the next few
-probe answers only, a replica that answers odd once), counted in ``probes``, apart from the requests tests
-look at.
+kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPTS`` on the base model) is answered as vLLM
+answers it (a choice per prompt, its first token's top logprobs) with logprobs that follow ``weights``
+(change it: another base under the same name; ``odd_probes``: the weights of the next few probe answers
+only, a replica that answers odd once), counted in ``probes``, apart from the requests tests look at.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.core.base_print import PROBE_PROMPT
+from gateway.core.base_print import PROBE_PROMPTS, TOP_K
 
 _STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
@@ -126,7 +125,7 @@ async def _unload(request: web.Request) -> web.Response:
 async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[STUB]
     body = await request.json()
-    if body.get("prompt") == PROBE_PROMPT and body.get("model") == state.base:
+    if body.get("prompt") == list(PROBE_PROMPTS) and body.get("model") == state.base:
         state.probes += 1
         return web.json_response(probe_answer(state.odd_probes.pop(0) if state.odd_probes else state.weights))
     state.received.append(body)
@@ -195,14 +194,19 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
 
 
 def probe_answer(weights: int) -> dict[str, Any]:
-    """The probe's prompt echoed with a logprob per token (none for the first), as vLLM answers ``echo``
-    with ``logprobs``, and one generated token; other ``weights`` move every logprob by 0.5."""
-    tokens = PROBE_PROMPT.split()
-    logprobs = [None, *(-2.0 - 0.5 * weights - 0.01 * i for i in range(1, len(tokens)))]
-    doc = {"tokens": [*tokens, " w"], "token_logprobs": [*logprobs, -0.1]}
-    choice = {"index": 0, "text": f"{PROBE_PROMPT} w", "logprobs": doc, "finish_reason": "length"}
-    usage = {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1}
-    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice], "usage": usage}
+    """A choice per probe prompt with its first token's top logprobs, as vLLM answers ``logprobs`` K;
+    other ``weights`` move every logprob by 0.5 and change the first tokens."""
+    choices = []
+    for i, _ in enumerate(PROBE_PROMPTS):
+        tops = {
+            f" t{(i + weights) % 7}{rank}": -1.0 - 0.5 * weights - 0.4 * rank - 0.05 * i
+            for rank in range(TOP_K)
+        }
+        first = next(iter(tops))
+        logprobs = {"tokens": [first], "token_logprobs": [tops[first]], "top_logprobs": [tops]}
+        choices.append({"index": i, "text": first, "logprobs": logprobs, "finish_reason": "length"})
+    usage = {"prompt_tokens": 60, "completion_tokens": len(choices), "total_tokens": 60 + len(choices)}
+    return {"id": "cmpl-probe", "object": "text_completion", "choices": choices, "usage": usage}
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:

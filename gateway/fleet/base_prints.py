@@ -1,16 +1,17 @@
 """Fingerprinting each replica's base model: by bytes where kvgate can read them, by behaviour always.
 
 The rule that compares two prints is ``core.base_print``'s: where both have bytes the bytes decide; else
-the behaviour (the probe teacher-forced, its mean |dlogprob| within a tolerance).
+the behaviour (the probe's top logprobs within a tolerance, a first token differing only at a near-tie).
 
 Bytes (``fleet.base_bytes``): where ``base_model_dirs`` maps the base's served name to a directory, or
 the root the listing reports is a readable directory here. Read once per incarnation (a ``stat`` per file
 when nothing changed): they are what the replica loaded when it started. Files changed under a running
 replica are logged (it serves other weights after its next restart, when they are read again).
 
-Behaviour (``core.base_print``): the fixed probe teacher-forced, ``PROBE_RUNS`` times, each in a fresh
-cache namespace (cold). A print that differs from what the replica is expected to be (its print before a
-restart, the base's reference, the prints of the current versions of its base) is taken again, up to
+Behaviour (``core.base_print``): the first-token top logprobs after the fixed probe prompts, ``PROBE_RUNS``
+times, each in a fresh cache namespace (cold). A print that differs from what the replica is expected to
+be (its print before a restart, the base's reference, the prints of the current versions of its base) is
+taken again, up to
 ``CONFIRM_PROBES`` prints ``CONFIRM_WAIT_S`` apart, and held to differ only when every one of them
 differs: one probe under load is never acted on.
 
@@ -138,13 +139,14 @@ def base_directory(model_dirs: dict[str, Path], listing: AdapterListing) -> Path
 async def probe(
     session: aiohttp.ClientSession, dialect: BackendDialect, url: str, model: str, floor: float
 ) -> base_print.BasePrint | str:
-    """The behaviour print of the server at ``url`` (the fixed probe teacher-forced, cold, ``PROBE_RUNS``
-    times), or why it cannot have one: it answered, but not with the prompt's tokens and logprobs.
-    Connection errors and timeouts raise (a later try may succeed)."""
-    tokens, runs = [], []
+    """The behaviour print of the server at ``url`` (the fixed prompts' first-token top logprobs, cold,
+    ``PROBE_RUNS`` times), or why it cannot have one: it answered, but not with them. Connection errors
+    and timeouts raise (a later try may succeed)."""
+    prompts, k = list(base_print.PROBE_PROMPTS), base_print.TOP_K
+    runs = []
     for _ in range(base_print.PROBE_RUNS):
-        body: dict[str, object] = {"model": model, "prompt": base_print.PROBE_PROMPT, "temperature": 0,
-                                   "max_tokens": 1, "echo": True, "logprobs": 1}  # fmt: skip
+        body: dict[str, object] = {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+                                   "logprobs": k}  # fmt: skip
         dialect.set_cache_namespace(body, cold_salt())
         async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status >= 500:
@@ -153,14 +155,10 @@ async def probe(
             if response.status != 200:
                 return f"the probe got {response.status}: {answers.reason_of(answer, response.status)[:200]}"
         try:
-            text, logprobs = answers.probe_choice(answers.json_of(answer))
+            runs.append(answers.probe_tops(answers.json_of(answer), len(prompts), k))
         except MalformedAnswer as exc:
             return f"the probe's answer is malformed: {exc.reason}"
-        tokens.append(text)
-        runs.append(logprobs)
-    if len(set(tokens)) != 1:
-        return "cold probe runs tokenized the probe differently (nondeterministic)"
-    return base_print.take(tokens[0], runs, floor)
+    return base_print.take(runs, floor)
 
 
 class BasePrints:
