@@ -1,7 +1,7 @@
 """Which base a ``kvgate publish`` is for, and its fingerprint: asked of the replicas themselves.
 
 Every configured replica is asked what it serves (``/v1/models``) and fingerprinted (``fleet.base_prints``:
-the base's bytes where this machine can read its directory, and the fixed probe, teacher-forced, cold).
+the base's bytes where this machine can read its directory, and the fixed probe, cold).
 ``--base NAME`` picks one served base; without it, the only one. Refused with a clear error: several
 bases served and no ``--base``; a ``--base`` no replica serves; replicas of the base that are two bases by
 ``core.base_print``'s rule (other bytes; or, where bytes cannot be read, a behaviour difference that

@@ -100,8 +100,8 @@ class Settings(BaseSettings):
     it; environment: comma-separated); without one, the root a replica lists is read when it is a
     directory here."""
     base_print_tolerance: float = Field(0.05, ge=0)
-    """Least tolerance for the mean |dlogprob| over the base-fingerprint probe's teacher-forced tokens, where
-    the behaviour decides (the bytes decide where both fingerprints have them)."""
+    """Least tolerance for the mean |dlogprob| over the base-fingerprint probe's top logprobs, where the
+    behaviour decides (the bytes decide where both fingerprints have them)."""
 
     reconcile_interval: float = Field(1.0, gt=0)
     """Seconds between heartbeats: the epoch table's checksum compared, one scrub step (changes arrive

@@ -25,7 +25,7 @@ others once its behaviour is taken.
 When a replica's print changes it is another base: versions published for the old one are not eligible
 there any more (the scheduler), ``fleet.loader`` unloads them, and ``mismatches`` says why (status,
 ``kvgate_base_mismatched_versions``). Versions published without a print (tables from before prints), or
-with a ``bp1`` print (from before the teacher-forced probe), are held to the first print this kvgate took
+with a ``bp1`` print (greedy text, from before today's probe), are held to the first print this kvgate took
 of their base (``reference``). ``disagreements`` says where replicas serving one base name disagree
 (bytes, or behaviour while the bytes agree): ``/kvgate/status``, ``kvgate status``, a count on
 ``/healthz``.
