@@ -128,7 +128,7 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     model = body["model"]
     if model == state.base and body.get("prompt") == list(PROBE_PROMPTS):
         state.probes.append(body)
-        return web.json_response(probe_answer(state.weights))  # SGLang echoes a prompt's logprobs too
+        return web.json_response(probe_answer(state.weights))  # as vLLM: a choice per prompt, top logprobs
     state.received.append(body)
     if model != state.base and model not in state.adapters:
         error = {"object": "error", "message": f"LoRA adapter {model} is not loaded", "type": "BadRequest"}

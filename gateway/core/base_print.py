@@ -64,6 +64,9 @@ PROBE_PROMPTS = (
 )
 """The fixed probe prompts, sent as one request: the first token's distribution after each is read."""
 TOP_K = 5  # top logprobs read per prompt
+TOP_SPARE = 3
+"""Asked for beyond ``TOP_K``: the answer keys top logprobs by token text, and two token ids that decode
+to one text (byte pieces) leave one entry (seen on vLLM 0.32: 4 of 5)."""
 PROBE_RUNS = 2  # cold runs per print: their spread calibrates the tolerance
 CONFIRM_PROBES = 3  # prints taken before a replica is held to differ from what it was expected to be
 TOLERANCE_MARGIN = 2.0  # as the audit: margin x the disagreement among cold runs

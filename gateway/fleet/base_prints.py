@@ -146,7 +146,7 @@ async def probe(
     runs = []
     for _ in range(base_print.PROBE_RUNS):
         body: dict[str, object] = {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1,
-                                   "logprobs": k}  # fmt: skip
+                                   "logprobs": k + base_print.TOP_SPARE}  # fmt: skip
         dialect.set_cache_namespace(body, cold_salt())
         async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status >= 500:

@@ -157,8 +157,9 @@ def start_time(body: bytes) -> float | None:
 
 
 def probe_tops(doc: Any, prompts: int, k: int) -> list[list[tuple[str, float]]]:
-    """The probe's answer (one choice per prompt, ``max_tokens`` 1, ``logprobs`` K): per prompt, in the
-    prompts' order (``index``), its first position's top K (token, logprob), highest first; finite numbers."""
+    """The probe's answer (one choice per prompt, ``max_tokens`` 1, ``logprobs`` at least K): per prompt,
+    in the prompts' order (``index``), its first position's top K (token, logprob), highest first; finite
+    numbers."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
     if (
         not isinstance(choices, list)
