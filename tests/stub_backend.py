@@ -9,9 +9,10 @@ seen twice is a duplicate upstream request), for load tests that run the stub as
 A model it does not have is refused with vLLM 0.32's exact 404 body; each unload records how many
 requests on that name were in flight at that moment (``unloads``): a budget test's proof that no
 eviction took an adapter from under a request.
-kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPT`` on the base model) is answered with
-greedy text and token logprobs that follow ``weights`` (change it: another base under the same name)
-and counted in ``probes``, apart from the requests tests look at.
+kvgate's base-fingerprint probe (``core.base_print.PROBE_PROMPTS`` on the base model) is answered as vLLM
+answers it (a choice per prompt, its first token's top logprobs) with logprobs that follow ``weights``
+(change it: another base under the same name; ``odd_probes``: the weights of the next few probe answers
+only, a replica that answers odd once), counted in ``probes``, apart from the requests tests look at.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.core.base_print import PROBE_PROMPT
+from gateway.core.base_print import PROBE_PROMPTS, TOP_K
 
 _STREAM = TypeAdapter(bool | None)  # vLLM's request models declare ``stream: bool | None`` (lax)
 
@@ -69,6 +70,7 @@ class StubState:
     unloads: list[tuple[str, int]] = field(default_factory=list)  # (name, its requests in flight then)
     weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
     probes: int = 0  # base-fingerprint probes answered
+    odd_probes: list[int] = field(default_factory=list)  # weights the next probes answer with, first first
 
 
 STUB = web.AppKey("stub", StubState)
@@ -123,9 +125,9 @@ async def _unload(request: web.Request) -> web.Response:
 async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[STUB]
     body = await request.json()
-    if body.get("prompt") == PROBE_PROMPT and body.get("model") == state.base:
+    if body.get("prompt") == list(PROBE_PROMPTS) and body.get("model") == state.base:
         state.probes += 1
-        return web.json_response(_probe_answer(state.weights))
+        return web.json_response(probe_answer(state.odd_probes.pop(0) if state.odd_probes else state.weights))
     state.received.append(body)
     state.received_headers.append(dict(request.headers))
     state.completions += 1
@@ -191,11 +193,20 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
     return response
 
 
-def _probe_answer(weights: int) -> dict[str, Any]:
-    logprobs = {"token_logprobs": [-0.5 - 0.01 * weights - 0.001 * i for i in range(8)]}
-    choice = {"index": 0, "text": f" w{weights}", "logprobs": logprobs, "finish_reason": "length"}
-    return {"id": "cmpl-probe", "object": "text_completion", "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}}  # fmt: skip
+def probe_answer(weights: int) -> dict[str, Any]:
+    """A choice per probe prompt with its first token's top logprobs, as vLLM answers ``logprobs`` K;
+    other ``weights`` move every logprob by 0.5 and change the first tokens."""
+    choices = []
+    for i, _ in enumerate(PROBE_PROMPTS):
+        tops = {
+            f" t{(i + weights) % 7}{rank}": -1.0 - 0.5 * weights - 0.4 * rank - 0.05 * i
+            for rank in range(TOP_K)
+        }
+        first = next(iter(tops))
+        logprobs = {"tokens": [first], "token_logprobs": [tops[first]], "top_logprobs": [tops]}
+        choices.append({"index": i, "text": first, "logprobs": logprobs, "finish_reason": "length"})
+    usage = {"prompt_tokens": 60, "completion_tokens": len(choices), "total_tokens": 60 + len(choices)}
+    return {"id": "cmpl-probe", "object": "text_completion", "choices": choices, "usage": usage}
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:

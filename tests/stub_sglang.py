@@ -11,7 +11,7 @@ Completions answer greedily with token logprobs that follow what the model is: t
 loaded* (as a server reads its weights once), so the same name loaded from other bytes answers otherwise.
 The radix cache is keyed as SGLang keys it on the OpenAI endpoints, ``cache_salt + extra_key``, with the
 load's own id: a repeated prompt in the same key reports its prompt tokens as cached. Every completion's
-body is recorded (``received``; kvgate's base-fingerprint probe, ``core.base_print.PROBE_PROMPT`` on the
+body is recorded (``received``; kvgate's base-fingerprint probe, ``core.base_print.PROBE_PROMPTS`` on the
 base, in ``probes`` instead). ``run_sglang_stub`` serves it with ``gateway.process.http_edge.running``.
 """
 
@@ -28,8 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.core.base_print import PROBE_PROMPT
+from gateway.core.base_print import PROBE_PROMPTS
 from gateway.process.http_edge import running
+from tests.stub_backend import probe_answer
 
 __all__ = ["SGLANG_STUB", "SglangStubState", "adapter_text", "build_sglang_stub", "run_sglang_stub"]
 
@@ -125,10 +126,10 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     state = request.app[SGLANG_STUB]
     body = await request.json()
     model = body["model"]
-    if model == state.base and body.get("prompt") == PROBE_PROMPT:
+    if model == state.base and body.get("prompt") == list(PROBE_PROMPTS):
         state.probes.append(body)
-    else:
-        state.received.append(body)
+        return web.json_response(probe_answer(state.weights))  # as vLLM: a choice per prompt, top logprobs
+    state.received.append(body)
     if model != state.base and model not in state.adapters:
         error = {"object": "error", "message": f"LoRA adapter {model} is not loaded", "type": "BadRequest"}
         return web.json_response(error | {"code": 400}, status=400)

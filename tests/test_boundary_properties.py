@@ -78,15 +78,24 @@ probe_like = st.fixed_dictionaries(
                 {},
                 optional={
                     "text": any_json,
+                    "index": st.integers(-1, 2) | any_json,
                     "logprobs": st.fixed_dictionaries(
-                        {}, optional={"token_logprobs": st.lists(scalars, max_size=4) | any_json}
+                        {},
+                        optional={
+                            "token_logprobs": st.lists(scalars, max_size=4) | any_json,
+                            "top_logprobs": st.lists(
+                                st.dictionaries(st.text(max_size=3), scalars, max_size=3) | any_json,
+                                max_size=2,
+                            )
+                            | any_json,
+                        },
                     ),
                 },
             )
             | any_json,
             max_size=2,
         )
-        | any_json
+        | any_json,
     },
 )
 raw_bytes = st.binary(max_size=64)
@@ -116,12 +125,14 @@ def test_the_model_list_reader(body: bytes) -> None:
 @given(bodies(probe_like))
 def test_the_probe_answer_reader(body: bytes) -> None:
     try:
-        text, logprobs = answers.probe_choice(answers.json_of(body))
+        tops = answers.probe_tops(answers.json_of(body), 2, 2)
     except MalformedAnswer:
         return
-    assert isinstance(text, str)
-    assert logprobs
-    assert all(type(x) is float and math.isfinite(x) for x in logprobs)
+    assert len(tops) == 2
+    for top in tops:
+        assert len(top) == 2
+        assert all(isinstance(token, str) and type(x) is float and math.isfinite(x) for token, x in top)
+        assert top[0][1] >= top[1][1]
 
 
 metric_values = st.one_of(

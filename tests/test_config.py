@@ -77,7 +77,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "base_model": ("llama", "llama"),
     "base_model_root": ("/models/llama", "/models/llama"),
     "base_model_dirs": ("llama=/models/llama", ["llama=/models/llama"]),
-    "base_print_tolerance": ("0.05", 0.05),
+    "base_print_tolerance": ("0.2", 0.2),
     "reconcile_interval": ("2.5", 2.5),
     "poll_interval": ("0.5", 0.5),
     "background_failure_limit": ("3", 3.0),

@@ -141,12 +141,20 @@ async def test_a_start_time_that_is_no_number_leaves_that_replica_without_a_prin
     ("answer", "reason"),
     [
         (HTML, "not JSON"),
-        ((200, "application/json", b'{"choices": [{"text": 5}]}'), "text is a number"),
+        ((200, "application/json", b'{"choices": [{"text": 5}]}'), "no list of 8 choice objects"),
         (
-            (200, "application/json", b'{"choices": [{"text": "x", "logprobs": {"token_logprobs": ["a"]}}]}'),
-            "logprob is a string",
+            (
+                200,
+                "application/json",
+                b'{"choices": ['
+                + b",".join(
+                    b'{"index": %d, "logprobs": {"top_logprobs": [{"a": "x"}]}}' % i for i in range(8)
+                )
+                + b"]}",
+            ),
+            "top logprob is a string",
         ),
-        ((200, "application/json", b'{"choices": {}}'), "no choices[0]"),
+        ((200, "application/json", b'{"choices": {}}'), "no list of 8"),
         ((200, "application/json", DEEP), "nested too deep"),
     ],
 )

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 from gateway.adapters.objstore import ObjectArtifact, ObjectStore
 from gateway.adapters.store import AdapterStore, Progress, StoredArtifact
+from gateway.core.base_print import current as current_scheme
+from gateway.core.base_print import prints_match
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change
 from gateway.table.epoch_table import EpochTable
@@ -47,10 +49,16 @@ async def publish_adapter(
 ) -> Published:
     """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
     called with each chunk's bytes as the store copies them; BASE_PRINT: the fingerprint of BASE
-    (``core.base_print``), '' when none could be taken."""
+    (``core.base_print``), '' when none could be taken. The same bytes for a base the current print
+    matches keep that print: a fingerprint taken again (its logprobs move by noise) changes nothing."""
 
     async def write(digest: str, name: str, path: str) -> Change:
-        return await table.publish(logical_id, digest, name, path, base, base_print)
+        current = await table.read_state(logical_id)
+        printed = base_print
+        if current is not None and (current.digest, current.base) == (digest, base):
+            kept = current.base_print
+            printed = kept if current_scheme(kept) and prints_match(kept, base_print) else base_print
+        return await table.publish(logical_id, digest, name, path, base, printed)
 
     digest, name, path, change = await _store_then(
         table, store, logical_id, adapter_dir, base, manifest, progress, write

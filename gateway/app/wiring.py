@@ -56,7 +56,7 @@ from gateway.core.scheduler import Scheduler
 from gateway.fleet.backends import dialect_for, start_warnings
 from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
-from gateway.fleet.base_prints import BasePrints, mismatch_report
+from gateway.fleet.base_prints import BasePrints, disagreements, mismatch_report
 from gateway.fleet.invalidation import VERSION_SCOPED
 from gateway.fleet.kv_follower import followers_health, precise_parts
 from gateway.fleet.leases import Leases
@@ -183,6 +183,7 @@ def local_health(app: web.Application) -> Health:
     healthy = len(pool.healthy())
     views.add("replicas_healthy", healthy)
     views.add("replicas", len(pool.replicas))
+    views.add("base_disagreements", len(disagreements(pool)))  # which, and why: /kvgate/status
     if not healthy:
         unready.append(f"no healthy replica (of {len(pool.replicas)}): no base is served")
     views.add("snapshot_flushed", snapshot.flushed)
@@ -257,7 +258,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         app[LEASES] = Leases(
             LeaseTable(app[TABLE], gateway_id, ttl_ms=int(settings.lease_ttl * 1000)),
             report=lambda: {"quarantined": [asdict(finding) for finding in quarantine.findings()],
-                            "base_mismatches": mismatch_report(pool, snapshot)},
+                            "base_mismatches": mismatch_report(pool, snapshot),
+                            "base_disagreements": disagreements(pool)},
         )  # fmt: skip
         app[LOADER] = AdapterLoader(
             app[POOL],

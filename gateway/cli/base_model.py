@@ -1,17 +1,22 @@
 """Which base a ``kvgate publish`` is for, and its fingerprint: asked of the replicas themselves.
 
-Every configured replica is asked what it serves (``/v1/models``) and fingerprinted (the fixed probe,
-cold; ``fleet.base_prints``). ``--base NAME`` picks one served base; without it, the only one. Refused
-with a clear error: several bases served and no ``--base``; a ``--base`` no replica serves; replicas of
-the base whose fingerprints differ (one was swapped: publish when they agree again). When no replica
-answers at all, the version is published for the configured ``base_model`` without a fingerprint, and
-a note says so: kvgate then holds it to the first fingerprint it takes of that base.
+Every configured replica is asked what it serves (``/v1/models``) and fingerprinted (``fleet.base_prints``:
+the base's bytes where this machine can read its directory, and the fixed probe, cold).
+``--base NAME`` picks one served base; without it, the only one. Refused with a clear error: several
+bases served and no ``--base``; a ``--base`` no replica serves; replicas of the base that are two bases by
+``core.base_print``'s rule (other bytes; or, where bytes cannot be read, a behaviour difference that
+``CONFIRM_PROBES`` prints in a row confirm): one was swapped, publish when they agree again. Replicas whose
+bytes agree are one base whatever their behaviour prints say. The version records the agreed bytes and
+the first replica's behaviour. When no replica answers at all, the version is published for the
+configured ``base_model`` without a fingerprint, and a note says so: kvgate then holds it to the first
+fingerprint it takes of that base.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -19,7 +24,8 @@ from gateway.core import base_print
 from gateway.core.errors import BadRequest
 from gateway.core.identity import base_identity
 from gateway.fleet.backends import AdapterListing, BackendDialect, dialect_for
-from gateway.fleet.base_prints import probe
+from gateway.fleet.base_bytes import CACHE_FILE, BaseBytes
+from gateway.fleet.base_prints import CONFIRM_WAIT_S, base_directory, probe
 from gateway.settings.model import Settings
 
 
@@ -34,16 +40,26 @@ class ChosenBase:
 class _Seen:
     url: str
     listing: AdapterListing
-    print: str  # '' when it cannot be fingerprinted
+    print: str  # bytes and behaviour, encoded; '' when it cannot be fingerprinted
     why_not: str = ""
 
 
 async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
     timeout = aiohttp.ClientTimeout(sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
     dialect = dialect_for(settings.backend)
+    bytes_ = BaseBytes(settings.data_dir / CACHE_FILE)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        found = await asyncio.gather(*(_look(session, dialect, url, settings) for url in settings.replicas))
-    seen = [s for s in found if s is not None and s.listing.base_name is not None]
+
+        async def look(url: str) -> _Seen | None:
+            return await _look(session, dialect, url, settings, bytes_)
+
+        found = await asyncio.gather(*(look(url) for url in settings.replicas))
+        seen = [s for s in found if s is not None and s.listing.base_name is not None]
+        for _ in range(1, base_print.CONFIRM_PROBES):  # a behaviour difference: confirmed, or gone
+            if not _behaviour_differs(seen):
+                break
+            await asyncio.sleep(CONFIRM_WAIT_S)
+            seen = [await look(s.url) or s for s in seen]
     if not seen:
         if requested not in (None, settings.base_model):
             raise BadRequest(f"no replica answered, so base {requested!r} cannot be checked", param="base")
@@ -75,26 +91,40 @@ async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
 
 
 def _agreed_print(name: str, of_base: list[_Seen]) -> tuple[str, str]:
-    """The base's print when every replica that could be fingerprinted agrees (and a note)."""
-    printed = [s for s in of_base if s.print]
+    """The base's print when no two replicas are two bases (and a note): the bytes they agree on, with
+    the first printed replica's behaviour."""
+    printed = [(s, p) for s in of_base if (p := base_print.decode(s.print)) is not None]
     if not printed:
         reasons = "; ".join(f"{s.url}: {s.why_not}" for s in of_base)
         return "", f"base {name!r} could not be fingerprinted ({reasons}): published without a fingerprint"
-    first = base_print.decode(printed[0].print)
-    for other in printed[1:]:
-        theirs = base_print.decode(other.print)
-        if first is None or theirs is None or not first.matches(theirs):
-            described = ", ".join(f"{s.url}: {base_print.short(s.print)}" for s in printed)
+    for (one, _), (other, _) in itertools.combinations(printed, 2):
+        why = base_print.differs(one.print, other.print)
+        if why is not None:
+            described = ", ".join(f"{s.url}: {base_print.short(s.print)}" for s, _ in printed)
             raise BadRequest(
-                f"the replicas serving base {name!r} have different fingerprints ({described}): one serves "
-                "other weights under that name; publish once they agree",
+                f"the replicas serving base {name!r} have different fingerprints ({described}; {why}): one "
+                "serves other weights under that name; publish once they agree",
                 param="base",
             )
-    return printed[0].print, ""
+    bytes_ = next((p.bytes for _, p in printed if p.bytes), "")
+    behaviour = next((p for _, p in printed if p.behaviour), None)
+    chosen = base_print.with_bytes(behaviour, bytes_)
+    return (chosen.encode() if chosen is not None else ""), ""
+
+
+def _behaviour_differs(seen: list[_Seen]) -> bool:
+    """Whether two replicas of one base name differ by behaviour where the bytes do not decide."""
+    for one, other in itertools.combinations(seen, 2):
+        if one.listing.base_name != other.listing.base_name:
+            continue
+        a, b = base_print.decode(one.print), base_print.decode(other.print)
+        if a is not None and b is not None and not (a.bytes and b.bytes) and a.behaviour_difference(b):
+            return True
+    return False
 
 
 async def _look(
-    session: aiohttp.ClientSession, dialect: BackendDialect, url: str, settings: Settings
+    session: aiohttp.ClientSession, dialect: BackendDialect, url: str, settings: Settings, bytes_: BaseBytes
 ) -> _Seen | None:
     try:
         listing = await dialect.list_adapters(session, url)
@@ -102,10 +132,13 @@ async def _look(
         return None
     if listing.base_name is None:
         return None
+    directory = base_directory(settings.base_model_dir_map, listing)
+    digest = await bytes_.digest_async(directory) if directory is not None else None
     try:
         taken = await probe(session, dialect, url, listing.base_name, settings.base_print_tolerance)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return _Seen(url, listing, "", f"the probe failed: {exc!r}")
+        taken = f"the probe failed: {exc!r}"
     if isinstance(taken, str):
-        return _Seen(url, listing, "", taken)
-    return _Seen(url, listing, taken.encode())
+        only = base_print.with_bytes(None, digest)
+        return _Seen(url, listing, only.encode() if only is not None else "", taken)
+    return _Seen(url, listing, replace(taken, bytes=digest or "").encode())

@@ -201,6 +201,11 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         for mismatch in doc.get("base_mismatches", []):
             print(f"    OTHER BASE on {mismatch['replica']} ({mismatch['replica_print']}): not serving "
                   f"{mismatch['logical_id']}: {mismatch['reason']}")  # fmt: skip
+        for found in doc.get("base_disagreements", []):
+            pairs = zip(found.get("replicas", []), found.get("prints", []), strict=False)
+            which = " vs ".join(f"{url} ({short})" for url, short in pairs)
+            print(f"    BASE PRINTS DISAGREE ({found.get('kind')}) for base {found.get('base')!r}: {which}: "
+                  f"{found.get('detail')}")  # fmt: skip
 
 
 def describe_rollout(state: VersionState) -> str:

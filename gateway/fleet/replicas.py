@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.core.base_print import current as current_scheme
 from gateway.core.errors import MalformedAnswer, ReplicaBusy
 from gateway.core.identity import base_identity
 from gateway.core.model import VersionState
@@ -36,10 +37,14 @@ log = logging.getLogger(__name__)
 class ReplicaPrints:
     """What kvgate knows of a replica's base: fingerprints and, when it changed, why it is another base."""
 
-    behaviour: str | None = None  # encoded ``core.base_print`` of ``incarnation``
+    behaviour: str | None = None  # encoded ``core.base_print`` of ``incarnation``: the probe's, no bytes
     incarnation: int = -1
-    bytes_digest: str | None = None  # blake3 of the base's files, when kvgate can read them
+    bytes_digest: str | None = None  # blake3 of the base's files as read when ``bytes_incarnation`` began
     bytes_root: str | None = None  # the directory those bytes were read from
+    bytes_incarnation: int = -1
+    bytes_on_disk: str | None = None  # the files' digest at the last read (a change is logged once)
+    identity: str | None = None  # bytes and behaviour together: what the rule compares (``base_print``)
+    identity_incarnation: int = -1
     start_time: float | None = None  # the server process's start time, when its /metrics says
     previous: str | None = None  # the print before the last change (None: it never changed)
     changed_reason: str = ""  # why the last change made it another base
@@ -82,14 +87,16 @@ class Replica:
 
     @property
     def base_print(self) -> str | None:
-        """Its base's behaviour fingerprint, encoded; None until taken since it last (re)started."""
-        return self.prints.behaviour if self.prints.incarnation == self.incarnation else None
+        """Its base's fingerprint (bytes and behaviour, ``core.base_print``), encoded; None until either
+        is taken since it last (re)started."""
+        prints = self.prints
+        return prints.identity if prints.identity_incarnation == self.incarnation else None
 
     def restarted(self, reason: str) -> None:
         """It (re)started: whatever it served before is unproven until its base is fingerprinted again."""
         self.incarnation += 1
         self.restart_reason = reason
-        if self.prints.behaviour is not None:
+        if self.prints.identity is not None:
             log.warning("replica %s restarted (%s): fingerprinting its base again", self.url, reason)
 
     @property
@@ -189,8 +196,11 @@ class ReplicaPool:
 
     def expected_print(self, version: VersionState) -> str:
         """The base print a replica must have to serve ``version``: the one it was published with, else
-        (a version published without one) the first print this kvgate took of its base ('' : none yet)."""
-        return version.base_print or self.base_references.get(version.base, "")
+        (a version published without one, or with a ``bp1`` print, whose probe is not taken any more) the
+        first print this kvgate took of its base ('' : none yet)."""
+        if current_scheme(version.base_print):
+            return version.base_print
+        return self.base_references.get(version.base, "")
 
     def base_identities(self) -> dict[str, str]:
         """Served base name -> its base identity, over the healthy replicas (the first one listed wins)."""

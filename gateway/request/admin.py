@@ -20,7 +20,7 @@ from gateway.core.identity import base_name
 from gateway.core.prefix import PrefixIndex
 from gateway.core.split import rollout_view
 from gateway.core.wire import ADMIN_TOKEN_HEADER, NAMESPACE_HEADER, PIN_HEADER, replica_id
-from gateway.fleet.base_prints import base_status
+from gateway.fleet.base_prints import base_status, disagreements
 from gateway.fleet.leases import Leases
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import Replica, ReplicaPool
@@ -136,6 +136,7 @@ class Admin:
             "malformed_rows": self.snapshot.malformed,
             "versions": versions,
             "replicas": replicas,
+            "base_disagreements": disagreements(self.pool),
             "prefix_index_entries": len(self.index),
             "gateway_id": self.leases.gateway_id,
             "leases": [{"replica": url, "name": name} for url, name in sorted(self.leases.held())],

@@ -45,12 +45,27 @@ _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
     "audit": _ACKED
     | {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"},
-    # publish asks the replicas which base they serve and fingerprints it (cli/base_model.py)
+    # publish asks the replicas which base they serve and fingerprints it: bytes and behaviour
+    # (cli/base_model.py)
     "publish": _ACKED
-    | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
+    | {
+        "max_adapter_bytes",
+        "replicas",
+        "connect_timeout",
+        "read_timeout",
+        "base_print_tolerance",
+        "base_model_dirs",
+    },
     "rollback": _ACKED,
     "rollout": _ACKED  # a rollout stores its candidate and fingerprints its base like a publish
-    | {"max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance"},
+    | {
+        "max_adapter_bytes",
+        "replicas",
+        "connect_timeout",
+        "read_timeout",
+        "base_print_tolerance",
+        "base_model_dirs",
+    },
     "promote": _ACKED,
     "abort": _ACKED,
     "bump": _ACKED,

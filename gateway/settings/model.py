@@ -99,8 +99,9 @@ class Settings(BaseSettings):
     """``NAME=PATH``: where kvgate reads base model NAME's files to fingerprint its bytes (flag: repeat
     it; environment: comma-separated); without one, the root a replica lists is read when it is a
     directory here."""
-    base_print_tolerance: float = Field(0.01, ge=0)
-    """Least logprob tolerance when comparing base fingerprints (greedy tokens must match exactly)."""
+    base_print_tolerance: float = Field(0.05, ge=0)
+    """Least tolerance for the mean |dlogprob| over the base-fingerprint probe's top logprobs, where the
+    behaviour decides (the bytes decide where both fingerprints have them)."""
 
     reconcile_interval: float = Field(1.0, gt=0)
     """Seconds between heartbeats: the epoch table's checksum compared, one scrub step (changes arrive

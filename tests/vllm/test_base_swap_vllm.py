@@ -110,7 +110,7 @@ async def test_a_base_swapped_under_the_same_name_and_path_is_another_base(
             "--replica", a.url, "--replica", b.url, redis_url=redis_server.url, store=tmp_path / "store",
         )  # fmt: skip
         assert published["base"] == "base"
-        assert published["base_print"].startswith("bp1-")
+        assert published["base_print"].startswith("bp2-")
         print(f"published for base {published['base']} with fingerprint {published['base_print']}")
         async with make_gateway(replicas=replicas, poll_interval=0.5) as gateway:
             for url in replicas:  # pinned: the version is loaded on both

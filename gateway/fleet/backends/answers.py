@@ -10,7 +10,7 @@ mark that replica with the reason (unhealthy, or not fingerprinted) and go on wi
 - ``reason_of``: a refusal's words, for people (never raises: bytes that are not UTF-8 are replaced).
 - ``model_list``: ``/v1/models`` as an ``AdapterListing``.
 - ``start_time``: ``process_start_time_seconds`` in ``/metrics`` (None when it is not there).
-- ``probe_choice``: the base-fingerprint probe's greedy text and token logprobs.
+- ``probe_tops``: the base-fingerprint probe's first-token top logprobs, per prompt.
 """
 
 from __future__ import annotations
@@ -156,22 +156,32 @@ def start_time(body: bytes) -> float | None:
     return value
 
 
-def probe_choice(doc: Any) -> tuple[str, list[float]]:
-    """The probe's ``choices[0]``: its text and its token logprobs (finite numbers; vLLM's first token's
-    logprob may be ``null`` only in prompt logprobs, never here)."""
+def probe_tops(doc: Any, prompts: int, k: int) -> list[list[tuple[str, float]]]:
+    """The probe's answer (one choice per prompt, ``max_tokens`` 1, ``logprobs`` at least K): per prompt,
+    in the prompts' order (``index``), its first position's top K (token, logprob), highest first; finite
+    numbers."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise MalformedAnswer("the probe's answer has no choices[0] object")
-    choice = choices[0]
-    text, logprobs = choice.get("text"), choice.get("logprobs")
-    if not isinstance(text, str):
-        raise MalformedAnswer(f"the probe's text is {_kind(text)}, not a string")
-    tokens = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-    if not isinstance(tokens, list) or not tokens:
-        raise MalformedAnswer("the probe's answer has no token_logprobs list")
-    values: list[float] = []
-    for value in tokens:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise MalformedAnswer(f"a probe token logprob is {_kind(value)} {str(value)[:40]}")
-        values.append(float(value))
-    return text, values
+    if (
+        not isinstance(choices, list)
+        or len(choices) != prompts
+        or not all(isinstance(c, dict) for c in choices)
+    ):
+        raise MalformedAnswer(f"the probe's answer has no list of {prompts} choice objects")
+    found: dict[int, list[tuple[str, float]]] = {}
+    for choice in choices:
+        index, logprobs = choice.get("index"), choice.get("logprobs")
+        tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        first = tops[0] if isinstance(tops, list) and tops else None
+        if isinstance(index, bool) or not isinstance(index, int) or not isinstance(first, dict):
+            raise MalformedAnswer("a probe choice has no index or no top_logprobs[0] object")
+        pairs: list[tuple[str, float]] = []
+        for token, value in first.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise MalformedAnswer(f"a probe top logprob is {_kind(value)} {str(value)[:40]}")
+            pairs.append((token, float(value)))
+        if len(pairs) < k:
+            raise MalformedAnswer(f"a probe choice has {len(pairs)} top logprobs, not {k}")
+        found[index] = sorted(pairs, key=lambda pair: -pair[1])[:k]
+    if sorted(found) != list(range(prompts)):
+        raise MalformedAnswer(f"the probe's choices are not indexed 0..{prompts - 1}")
+    return [found[i] for i in range(prompts)]
