@@ -3,7 +3,9 @@
 The session's two replicas serve the same directory. Load runs on both (base completions of mixed lengths,
 straight to the replicas) the whole time: behaviour prints
 taken while it runs all match; ``kvgate publish`` under it is not refused; a kvgate started under it
-serves the tenant on both replicas within ``SERVES_WITHIN_S``, and so does a kvgate restarted under it.
+serves the tenant on both replicas within ``SERVES_WITHIN_S``, and so does a kvgate restarted under it;
+a replica restarted under it (same directory, same port) serves the tenant again within that bound of
+answering, with no disagreement.
 kvgate is given a model directory it cannot read (``base_model_dirs``), so the bytes never decide here:
 the behaviour print alone must be robust (where bytes can be read they decide; the bytes case and a real
 swap are tests/vllm/test_base_swap_vllm.py).
@@ -58,10 +60,13 @@ async def base_load(http: aiohttp.ClientSession, urls: list[str]) -> AsyncIterat
         while True:
             prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 300)))
             body = {"model": "base", "prompt": prompt, "max_tokens": 16, "temperature": 0}
-            async with http.post(f"{url}/v1/completions", json=body) as response:
-                await response.read()
-                assert response.status == 200
-                answered[0] += 1
+            try:
+                async with http.post(f"{url}/v1/completions", json=body) as response:
+                    await response.read()
+                    assert response.status == 200
+                    answered[0] += 1
+            except aiohttp.ClientConnectionError:  # its replica is restarting (the last phase): retry
+                await asyncio.sleep(0.5)
 
     tasks = [asyncio.create_task(client(url, i)) for i, url in zip(range(CLIENTS), itertools.cycle(urls))]
     try:
@@ -132,3 +137,23 @@ async def test_two_replicas_of_one_directory_are_one_base_under_load(
                 assert status["base_disagreements"] == []
                 assert all(r["base_mismatch"] == {} for r in status["replicas"])
                 assert all(r["base_bytes_digest"] is None for r in status["replicas"]), "behaviour only"
+
+        async with make_gateway(replicas=urls, base_model_dirs=[UNREADABLE]) as gateway:
+            for url in urls:
+                served = functools.partial(tenant_served_on, http, gateway.url, url)
+                await eventually(served, f"the tenant served on {url}", SERVES_WITHIN_S)
+            stopped = vllm_replicas[1]
+            await stopped.stop()
+            vllm_replicas[1] = VllmProcess(stopped.spec)  # the session fixture stops this one at its end
+            await vllm_replicas[1].start()
+            began = time.monotonic()
+            served = functools.partial(tenant_served_on, http, gateway.url, urls[1])
+            await eventually(served, f"the tenant served on {urls[1]} again, restarted", SERVES_WITHIN_S)
+            took = time.monotonic() - began
+            print(f"replica restarted under load: the tenant served on it {took:.1f} s after it answered")
+            async with http.get(
+                f"{gateway.url}/kvgate/status", headers={"x-kvgate-admin-token": ADMIN_TOKEN}
+            ) as response:
+                status = await response.json()
+            assert status["base_disagreements"] == []
+            assert all(r["base_mismatch"] == {} for r in status["replicas"])
