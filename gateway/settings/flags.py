@@ -41,31 +41,19 @@ _EVERY_COMMAND = frozenset(
     {"store", "data_dir", "redis_url", "redis_timeout", "base_model", "base_model_root", "backend"}
 )
 _ACKED = frozenset({"redis_ack_timeout"})  # the commands that change the table wait for a replica's ack
+# publish and rollout store a version and fingerprint its base: they ask the replicas which base they serve,
+# read its bytes and take its behaviour (cli/base_model.py)
+_FINGERPRINTS = _ACKED | {
+    "max_adapter_bytes", "replicas", "connect_timeout", "read_timeout", "base_print_tolerance",
+    "base_model_dirs",
+}  # fmt: skip
 _ALSO: dict[str, frozenset[str]] = {
     # audit talks to servers, waits for kvgate to serve what it published, and pins through the gateway
     "audit": _ACKED
     | {"connect_timeout", "read_timeout", "reconcile_interval", "admin_token", "max_adapter_bytes"},
-    # publish asks the replicas which base they serve and fingerprints it: bytes and behaviour
-    # (cli/base_model.py)
-    "publish": _ACKED
-    | {
-        "max_adapter_bytes",
-        "replicas",
-        "connect_timeout",
-        "read_timeout",
-        "base_print_tolerance",
-        "base_model_dirs",
-    },
+    "publish": _FINGERPRINTS,
     "rollback": _ACKED,
-    "rollout": _ACKED  # a rollout stores its candidate and fingerprints its base like a publish
-    | {
-        "max_adapter_bytes",
-        "replicas",
-        "connect_timeout",
-        "read_timeout",
-        "base_print_tolerance",
-        "base_model_dirs",
-    },
+    "rollout": _FINGERPRINTS,
     "promote": _ACKED,
     "abort": _ACKED,
     "bump": _ACKED,
