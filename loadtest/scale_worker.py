@@ -31,7 +31,8 @@ from redis.asyncio import Redis
 
 from gateway.core.model import TableView
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, _text
+from gateway.table.epoch_table import EpochTable
+from gateway.table.replies import as_text
 from gateway.table.rows import parse_state
 from gateway.table.snapshot import Snapshot, SnapshotSync
 from gateway.table.snapshot_file import SnapshotFile
@@ -42,14 +43,14 @@ Seen = list[tuple[str, int, float]]  # logical ID, epoch, wall time the snapshot
 
 async def old_read_all(redis: Redis) -> TableView:
     """The full read as it was: one SMEMBERS, one unbounded pipeline (no paging)."""
-    ids = sorted(_text(i) for i in await redis.smembers(keys.IDS))
+    ids = sorted(as_text(i) for i in await redis.smembers(keys.IDS))
     async with redis.pipeline(transaction=False) as pipe:
         for logical_id in ids:
             pipe.hgetall(keys.state(logical_id))
         pipe.get(keys.GENERATION)
         *raws, generation = await pipe.execute()
     states = {i: s for i, raw in zip(ids, raws, strict=True) if (s := parse_state(i, raw)) is not None}
-    return TableView(_text(generation), states)
+    return TableView(as_text(generation), states)
 
 
 class SimulatedKvgate:

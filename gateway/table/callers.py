@@ -33,6 +33,7 @@ from gateway.core.identity import check_logical_id
 from gateway.table import keys
 from gateway.table.connection import RedisClient
 from gateway.table.epoch_table import REDIS_DOWN, Clock, wall_clock_ms
+from gateway.table.replies import as_text
 from gateway.tasks.supervisor import periodically, progressed, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
@@ -89,7 +90,7 @@ def parse_row(key_id: bytes | str, raw: bytes | str) -> tuple[str, Caller]:
     """One row of the key table (key id -> JSON) as (key hash, caller); ``MalformedRow`` when it is not
     one ``CallerTable.create`` writes."""
     try:
-        key_id, text = _text(key_id), _text(raw)
+        key_id, text = as_text(key_id), as_text(raw)
     except UnicodeDecodeError:
         raise MalformedRow("the key id or its row is not UTF-8") from None
     try:
@@ -117,10 +118,6 @@ def _row(digest: str, caller: Caller) -> str:
 
 def _ids(by_hash: dict[str, Caller]) -> set[str]:
     return {caller.key_id for caller in by_hash.values()}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclass(frozen=True)

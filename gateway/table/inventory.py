@@ -13,6 +13,7 @@ from typing import Any
 from gateway.core.errors import EpochTableError
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
+from gateway.table.replies import as_text
 from gateway.table.scripts import codes
 
 _DIGEST_LENGTH = 64
@@ -34,7 +35,7 @@ class VersionRecord:
 
 async def read_ids(table: EpochTable) -> list[str]:
     """Every indexed logical ID (some may have no state: never published, or forgotten)."""
-    return sorted(_text(i) for i in await table.redis.smembers(keys.IDS))
+    return sorted(as_text(i) for i in await table.redis.smembers(keys.IDS))
 
 
 async def read_versions(table: EpochTable, logical_id: str) -> list[VersionRecord]:
@@ -42,7 +43,7 @@ async def read_versions(table: EpochTable, logical_id: str) -> list[VersionRecor
     raw: dict[bytes, bytes] = await table.redis.hgetall(keys.versions(logical_id))  # type: ignore[assignment]
     records = []
     for field_, doc in raw.items():
-        name = _text(field_)
+        name = as_text(field_)
         if len(name) <= _DIGEST_LENGTH or name[-_DIGEST_LENGTH - 1] != "|":
             continue  # not a version field: ignore it rather than fail a whole listing
         record = dict(json.loads(doc))
@@ -68,7 +69,3 @@ async def forget_version(table: EpochTable, logical_id: str, digest: str) -> boo
     if int(code) != codes()["CHANGED"]:
         raise EpochTableError(f"forget_version returned unknown code {code}")
     return True
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
+from gateway.table.replies import as_text
 from gateway.table.scripts import codes
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class LeaseTable:
 
 async def live_gateways(table: EpochTable) -> dict[str, dict[str, Any]]:
     """Gateway id -> its last heartbeat's document, for every gateway whose heartbeat has not expired."""
-    ids = sorted(_text(i, "replace") for i in await table.redis.smembers(keys.GATEWAYS))
+    ids = sorted(as_text(i, "replace") for i in await table.redis.smembers(keys.GATEWAYS))
     alive = {}
     for gateway_id in ids:
         doc = await table.redis.get(keys.gateway(gateway_id))
@@ -112,23 +113,19 @@ async def live_gateways(table: EpochTable) -> dict[str, dict[str, Any]]:
 
 def _ms(value: bytes | str) -> int | None:
     """A stored time in ms; None when it is not one (a direct write: that row is left out)."""
-    text = _text(value, "replace").strip()
+    text = as_text(value, "replace").strip()
     return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
 
 
 def _report(gateway_id: str, doc: bytes | str) -> dict[str, Any]:
     """A live gateway's heartbeat document; one that is not a JSON object still counts it alive."""
     try:
-        report = json.loads(_text(doc, "replace"))
+        report = json.loads(as_text(doc, "replace"))
     except (ValueError, RecursionError):
         report = None
     if not isinstance(report, dict):
         log.warning(
-            "gateway %s's heartbeat document is malformed: %r", gateway_id, _text(doc, "replace")[:80]
+            "gateway %s's heartbeat document is malformed: %r", gateway_id, as_text(doc, "replace")[:80]
         )
         return {"malformed": True}
     return report
-
-
-def _text(value: bytes | str, errors: str = "strict") -> str:
-    return value.decode(errors=errors) if isinstance(value, bytes) else value

@@ -16,6 +16,7 @@ from gateway.core.errors import BadRequest
 from gateway.core.model import WEIGHT_FULL, Change
 from gateway.table import keys
 from gateway.table.epoch_table import LOGGED, EpochTable, raise_for
+from gateway.table.replies import as_text
 from gateway.table.scripts import codes
 
 
@@ -85,7 +86,7 @@ async def promote(table: EpochTable, logical_id: str, digest: str = "") -> Chang
             [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest],
         )
     raise_for(int(code), logical_id, digest)
-    return Change(changed=True, epoch=int(epoch), digest=_text(promoted))
+    return Change(changed=True, epoch=int(epoch), digest=as_text(promoted))
 
 
 async def abort(table: EpochTable, logical_id: str, reason: str, digest: str = "") -> Change:
@@ -97,8 +98,4 @@ async def abort(table: EpochTable, logical_id: str, reason: str, digest: str = "
             [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest, reason],
         )
     raise_for(int(code), logical_id, digest)
-    return Change(changed=True, epoch=int(epoch), digest=_text(aborted))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return Change(changed=True, epoch=int(epoch), digest=as_text(aborted))

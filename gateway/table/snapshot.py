@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 from gateway.core.model import TableView, VersionState
 from gateway.table import keys
-from gateway.table.changelog import START, Agreement, ChangeLog, Entry, _text, entry_id
+from gateway.table.changelog import START, Agreement, ChangeLog, Entry, entry_id
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.table.hints import ReplicaHint, ReplicaHints
+from gateway.table.replies import as_text
 from gateway.table.reseed import Reseeder
 from gateway.table.rows import row_hash
 from gateway.table.snapshot_file import Saved, SnapshotFile
@@ -177,7 +178,7 @@ class SnapshotSync:
         saved = await asyncio.to_thread(file.load)
         if saved is None:
             return False
-        if (generation := _text(await self.table.redis.get(keys.GENERATION) or b"")) != saved.generation:
+        if (generation := as_text(await self.table.redis.get(keys.GENERATION) or b"")) != saved.generation:
             file.reject("generation", f"the file's table is {saved.generation}, Redis holds {generation!r}")
             return False
         snapshot = self.snapshot
