@@ -5,7 +5,7 @@ logical ID or key:
 
 - it is draining (SIGTERM);
 - no replica is healthy: no base is served, every request would be refused;
-- a background task keeps failing (``failing``; ``periodic.Supervisor``);
+- a background task keeps failing (``failing``; ``tasks.supervisor.Supervisor``);
 - with ``auth = "api-keys"``, its copy of the keys is older than ``auth_max_staleness``: every keyed
   request would get 503 ``KeysUnavailable``;
 - with ``table_max_staleness`` set (off by default), its snapshot of the epoch table has not been

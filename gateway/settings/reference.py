@@ -139,7 +139,7 @@ def at_a_glance() -> str:
 
 
 def not_settings() -> str:
-    """The ``KVGATE_*`` variables that are no setting (settings_table.NOT_SETTINGS); any other refuses."""
+    """The ``KVGATE_*`` variables that are no setting (flags.NOT_SETTINGS); any other refuses."""
     listed = "\n".join(f"| `{name}` | {what} |" for name, what in NOT_SETTINGS.items())
     return (
         "## Variables that are not settings\n\n"
