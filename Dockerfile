@@ -1,5 +1,5 @@
 # kvgate's image. The builder makes the wheel from this tree; the final stage installs it into a virtualenv
-# with deploy/image/install.sh (the same script tests/test_image.py runs in a clean virtualenv) and keeps no
+# with deploy/image/install.sh (the same script tests/deploy/test_image.py runs in a clean virtualenv) and keeps no
 # compiler or build tool. BASE is any image with Python 3.11 (python3, venv, pip): the official one by
 # default; `make image` builds it on a Debian base made with mmdebstrap (scripts/images.py, docs/deploy.md).
 #   docker build -t kvgate:0.1.0 .

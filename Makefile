@@ -20,13 +20,13 @@ apt-redis:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel)
 
 # Debian's chromium and chromium-driver: the status page test drives a real headless browser with Selenium
-# (tests/test_status_page.py). Installed only when missing, like apt-redis.
+# (tests/request/test_status_page.py). Installed only when missing, like apt-redis.
 apt-chromium:
 	(command -v chromium && command -v chromedriver) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
 # Debian's podman, runc and mmdebstrap: kvgate's images are built and run, and the manifests played as pods,
-# with podman (tests/test_container_image.py, tests/test_pods.py, make image, make deploy-smoke; docs/deploy.md).
+# with podman (tests/deploy/test_container_image.py, tests/deploy/test_pods.py, make image, make deploy-smoke; docs/deploy.md).
 # Installed only when missing, like apt-redis.
 apt-podman:
 	(command -v podman && command -v runc && command -v mmdebstrap) >/dev/null || (apt-get update -qq && \

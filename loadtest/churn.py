@@ -1,7 +1,8 @@
 """Adapter churn: many logical IDs over a small adapter budget (issue 17: 2,000 IDs over two instant-loading
 stub replicas at the default budget of 8 took 123 s for 1,806 requests, p99 18.4 s, max 31 s).
 
-One kvgate (in this process, ``build_app``) in front of two stub replicas (``tests.stub_backend``: loads
+One kvgate (in this process, ``build_app``) in front of two stub replicas (``tests.support.stub_backend``:
+loads
 and unloads are instant) on a ``redis-server`` of its own. ``--ids`` logical IDs are published (the same
 bytes under each: the stubs do not read them); then ``--clients`` clients send ``--requests`` completion
 requests in all, each for an ID drawn at random, so nearly every request needs a load and every load past
@@ -35,7 +36,7 @@ from gateway.settings.model import Settings
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.stub_backend import StubState, build_stub
+from tests.support.stub_backend import StubState, build_stub
 
 CONFIG = '{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}'
 ADMIN_TOKEN = "churn"

@@ -1,7 +1,7 @@
 """Holding the edge: `kvgate serve` under a crowd of slow streams, a client that aborts, and slowloris.
 
 Processes on loopback (127.0.0.1 only): two stub replicas that answer at an LLM's pace (this module's
-``stubs`` command: ``tests.stub_backend``, one SSE chunk every ``--chunk-delay`` seconds, counting the
+``stubs`` command: ``tests.support.stub_backend``, one SSE chunk every ``--chunk-delay`` seconds, counting the
 generations whose caller left), ``kvgate serve`` with its embedded Redis and one published adapter, and
 the load generator here. Phases, in order:
 
@@ -65,7 +65,7 @@ from loadtest.proxy_overhead import (
     stop_leftover_redis,
     wait_ready,
 )
-from tests.stub_backend import StubState, build_stub
+from tests.support.stub_backend import StubState, build_stub
 
 TOKEN = "edge-loadtest-token"
 HEADER_TIMEOUT = Settings.model_construct().header_timeout  # kvgate runs with the default

@@ -11,7 +11,8 @@ Two traffic shapes, each replayed into a fresh metrics registry per ID count:
 *Before* is ``gateway/telemetry/metrics.py`` as it was at ``--before`` (default: the last commit before
 bounded metrics), loaded from git and driven with that code's own calls (every metric labelled by the
 ID); *after* is this tree's ``Metrics`` (defaults: K = 100, re-ranked every 300 s) driven by
-``tests.metrics_traffic.record_request``, the calls the request path makes. A series is a sample line of
+``tests.support.metrics_traffic.record_request``, the calls the request path makes. A series is a sample
+line of
 the exposition (``_created`` lines included: Prometheus stores them too); bytes are the exposition's.
 
 ``--end-to-end N`` also serves N IDs once each through a running kvgate (in-process, a stub replica, an
@@ -48,8 +49,8 @@ from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from tests.metrics_traffic import REPLICAS, record_epoch_change, record_request, series_in
-from tests.stub_backend import StubState, build_stub
+from tests.support.metrics_traffic import REPLICAS, record_epoch_change, record_request, series_in
+from tests.support.stub_backend import StubState, build_stub
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "f4d700f"

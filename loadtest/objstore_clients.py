@@ -32,7 +32,7 @@ from gateway.adapters.objstore import PART_BYTES, ObjectStore, open_client
 from gateway.agent.fetch import Fetcher
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.dev import generated_docs
-from tests.s3_server import environment, s3_server
+from tests.support.s3_server import environment, s3_server
 
 MB = 1 << 20
 

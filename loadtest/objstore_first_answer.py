@@ -43,7 +43,7 @@ from gateway.proof.experiment import complete
 from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.s3_server import environment, s3_server
+from tests.support.s3_server import environment, s3_server
 
 ADMIN = "bench-admin"
 AGENT_TOKEN = "bench-agent"

@@ -1,10 +1,11 @@
-"""The vLLM-API stub (``tests.stub_backend``) as its own process, so its CPU is not the proxy's.
+"""The vLLM-API stub (``tests.support.stub_backend``) as its own process, so its CPU is not the proxy's.
 
 Run: ``python -m loadtest.stub_server --port P [--chunks 32]`` (on uvloop); stops on SIGTERM or SIGINT.
 ``--vllm-args MODEL [--port=N] [--served-model-name=NAME] [--stub-chunk-delay=S] ...`` takes vLLM's command
 line (the rest of it ignored), serves NAME with MODEL as its root on every interface and, as vLLM, refuses
 a load whose path holds no adapter: the stub replica image (deploy/image/stub) runs so, in place of ``vllm
-serve``, in the containers and pods `make test` runs (tests/test_container_image.py, tests/test_pods.py).
+serve``, in the containers and pods `make test` runs (tests/deploy/test_container_image.py,
+tests/deploy/test_pods.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import uvloop
 
 from gateway.process.http_edge import running
-from tests.stub_backend import StubState, build_stub
+from tests.support.stub_backend import StubState, build_stub
 
 
 async def serve(port: int, chunks: int, host: str = "127.0.0.1", **state_fields: Any) -> None:

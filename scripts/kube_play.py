@@ -24,7 +24,8 @@
   container that fails, or is killed, is still restarted; one stopped with ``podman stop`` stays down).
 
 ``python -m scripts.kube_play up|down KUSTOMIZATION [--seed CLAIM=DIR]`` (podman with
-deploy/image/containers.conf, as scripts/images.py); tests/test_pods.py and scripts/deploy_smoke.py use it.
+deploy/image/containers.conf, as scripts/images.py); tests/deploy/test_pods.py and scripts/deploy_smoke.py
+use it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Run with the vLLM virtualenv's python (it needs vLLM's own event classes and msgspec):
 
-    .venv-vllm/bin/python scripts/kv_event_fixtures.py tests/fixtures/kv_events/map_frames.json \
-        tests/fixtures/kv_events/array_frames.json
+    .venv-vllm/bin/python scripts/kv_event_fixtures.py tests/support/fixtures/kv_events/map_frames.json \
+        tests/support/fixtures/kv_events/array_frames.json
 
 The 0.32 build encodes events as tagged maps (``KVCacheEvent`` is ``tag=True`` without ``array_like``);
 earlier builds encoded them as tagged positional arrays. Each captured payload is decoded with vLLM's own

@@ -1,4 +1,5 @@
-"""The pods' scenario, played on what scripts/kube_play.py started (tests/test_pods.py with the stub replica
+"""The pods' scenario, played on what scripts/kube_play.py started (tests/deploy/test_pods.py with the stub
+replica
 image, scripts/deploy_smoke.py with real vLLM): every kvgate pod ready; a completion for a logical ID through
 each kvgate's container port; ``kvgate publish`` in a kvgate pod (as docs/deploy.md says to), then a
 rollback, a publish and a bump with ``redis-cli --eval`` in the Redis master's pod, each reaching every

@@ -5,13 +5,10 @@ The real-vLLM fixtures live in ``tests/vllm/conftest.py``; they start two replic
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
@@ -20,24 +17,15 @@ from gateway.adapters.store import AdapterStore
 from gateway.core.identity import versioned_name
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.s3_server import S3Server, environment, s3_server
+from tests.support.adapter_files import MakeAdapter, Publish
+from tests.support.redis_db import flushed_client
+from tests.support.s3_server import S3Server, environment, s3_server
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
         yield server
-
-
-@asynccontextmanager
-async def flushed_client(server: EmbeddedRedis) -> AsyncIterator[Redis]:
-    """A client of the session's redis-server, on an empty database (each test starts from nothing)."""
-    client = Redis.from_url(server.url)
-    await client.flushdb()
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest_asyncio.fixture
@@ -49,9 +37,6 @@ async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
 @pytest_asyncio.fixture
 async def table(redis: Redis) -> EpochTable:
     return EpochTable(redis)
-
-
-MakeAdapter = Callable[..., Path]
 
 
 @pytest.fixture
@@ -74,27 +59,9 @@ def make_adapter(tmp_path: Path) -> MakeAdapter:
     return make
 
 
-Check = Callable[[], "bool | Awaitable[bool]"]
-
-
-async def eventually(check: Check, what: str, within: float = 10.0) -> None:
-    """Poll ``check`` (plain or async) until it holds; fail naming ``what`` if not within ``within`` s."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        held = check()
-        if held if isinstance(held, bool) else await held:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 def store(tmp_path: Path) -> AdapterStore:
     return AdapterStore(tmp_path / "store")
-
-
-Publish = Callable[[str, bytes], Awaitable[str]]
 
 
 @pytest.fixture
@@ -108,36 +75,6 @@ def publish(store: AdapterStore, table: EpochTable, make_adapter: MakeAdapter) -
         return name
 
     return do
-
-
-async def until_healthy(url: str, within: float = 10.0) -> None:
-    """Wait for a kvgate started as a process to answer ``/healthz`` with 200."""
-    async with aiohttp.ClientSession() as http:
-
-        async def healthy() -> bool:
-            try:
-                async with http.get(f"{url}/healthz") as health:
-                    return health.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await eventually(healthy, f"{url} answers /healthz", within)
-
-
-def swap_bytes(path: Path, source: Path) -> dict[str, bytes]:
-    """Write ``source``'s files over the store directory ``path`` (as a divergent volume would show)."""
-    saved = {f.name: f.read_bytes() for f in path.iterdir()}
-    for name in saved:
-        (path / name).chmod(0o644)
-        if (source / name).is_file():
-            (path / name).write_bytes((source / name).read_bytes())
-    return saved
-
-
-def swap_back(path: Path, saved: dict[str, bytes]) -> None:
-    for name, data in saved.items():
-        (path / name).write_bytes(data)
-        (path / name).chmod(0o444)
 
 
 @pytest.fixture(scope="session")

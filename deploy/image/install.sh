@@ -1,7 +1,7 @@
 #!/bin/sh
 # Installs kvgate from the wheel in WHEEL_DIR, with its embedded-redis extra (a redis-server for a lone
 # container without KVGATE_REDIS_URL), into the environment of $PYTHON (default: python). The Dockerfile's
-# final stage RUNs exactly this; tests/test_image.py runs it in a clean virtualenv.
+# final stage RUNs exactly this; tests/deploy/test_image.py runs it in a clean virtualenv.
 #   usage: install.sh WHEEL_DIR
 set -eu
 [ "$#" -eq 1 ] || { echo "usage: install.sh WHEEL_DIR" >&2; exit 2; }

@@ -11,7 +11,7 @@ then either ``date`` and ``tree`` (a measurement: when, at which commit, with ``
 when the work tree differed from it) or ``checked`` (a deterministic file a test compares with its
 generator on every run). Any other field (``load``: the load average) is free text. ``write_block``
 replaces the block its own module wrote (or adds one), so a doc can hold prose around generated figures
-and several generators' blocks; tests/test_docs.py checks every block names a command that exists.
+and several generators' blocks; tests/project/test_docs.py checks every block names a command that exists.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ limit on open files to its hard limit (1,024 soft is common; 1,000 streams need 
 
 The hooks sit in a subclass of aiohttp's ``RequestHandler`` (the server's protocol): it reads what the
 parser produced (``_request_count``, ``_messages``) and the request being handled (``_current_request``).
-``tests/test_deadlines.py`` fails if a new aiohttp moves them.
+``tests/request/test_deadlines.py`` fails if a new aiohttp moves them.
 """
 
 from __future__ import annotations

@@ -33,10 +33,11 @@ from gateway.settings.model import Settings
 
 TITLE = "# Configuration reference\n"
 COMMAND = "python -m gateway.settings.reference --write docs/configuration.md"
-TEST = "tests/test_config_reference.py"
+TEST = "tests/settings/test_config_reference.py"
 HEADER = """\
 Generated from `Settings` in gateway/settings/model.py by `python -m gateway.settings.reference --write
-docs/configuration.md`; tests/test_config_reference.py fails when this file drifts. Do not edit by hand.
+docs/configuration.md`; tests/settings/test_config_reference.py fails when this file drifts. Do not edit by
+hand.
 
 Every setting is a command-line flag, a `KVGATE_<NAME>` environment variable and a key in a TOML file named
 by `--config` (or `KVGATE_CONFIG`). A flag beats the environment, which beats the file, which beats the

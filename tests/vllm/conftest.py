@@ -31,7 +31,7 @@ from gateway.process.http_edge import free_port, running
 from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from tests.conftest import flushed_client
+from tests.support.redis_db import flushed_client
 
 
 def _required_path(variable: str) -> Path:

@@ -34,7 +34,7 @@ from gateway.fleet.backends import VllmDialect
 from gateway.fleet.base_prints import probe
 from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import eventually
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]

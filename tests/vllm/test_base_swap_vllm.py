@@ -27,7 +27,7 @@ from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec
 from gateway.process.http_edge import free_port
 from gateway.proof.audit import COHERENT, MISMATCH, GatewayTarget, audit_round
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import eventually
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]  # three vLLM starts

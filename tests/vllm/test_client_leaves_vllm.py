@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.dev.vllm_process import VllmProcess
-from tests.conftest import eventually
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -32,7 +32,8 @@ from gateway.proof.experiment import complete
 from gateway.settings.flags import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import eventually, swap_back, swap_bytes
+from tests.support.adapter_files import swap_back, swap_bytes
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gateway.core.errors import InvalidAdapter
 from gateway.core.identity import check_adapter_config
-from tests.test_peft_config import ACCEPTED, REFUSED
+from tests.adapters.test_peft_config import ACCEPTED, REFUSED
 from tests.vllm.conftest import _required_path
 
 STRICTER = {"r a float", "r true", "target_modules empty", "target_modules a number", "another peft_type",

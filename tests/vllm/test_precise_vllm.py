@@ -30,7 +30,7 @@ from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
-from tests.conftest import eventually
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kv_events_args, kvgate_json
 from tests.vllm.test_fleet_vllm import kvgate_process
 

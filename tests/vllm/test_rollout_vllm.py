@@ -18,7 +18,8 @@ from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt, replica
 from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from tests.conftest import eventually, swap_back, swap_bytes
+from tests.support.adapter_files import swap_back, swap_bytes
+from tests.support.conditions import eventually
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]

@@ -1,7 +1,7 @@
 """vLLM's tokenizer routes and ``/v1/models/{id}`` through kvgate on the real replicas, for a logical ID:
 each answer is vLLM's own for that version (asked directly, by its versioned name), under the logical ID,
 and the versioned name never shows. (Every other route is tested against the stub in
-``tests/test_routes.py``: the tiny model serves neither pooling nor audio.)"""
+``tests/request/test_routes.py``: the tiny model serves neither pooling nor audio.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.core.wire import replica_id
 from gateway.dev.vllm_process import VllmProcess
 from gateway.table.epoch_table import EpochTable
-from tests.conftest import eventually
+from tests.support.conditions import eventually
 from tests.vllm.conftest import Gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -3,7 +3,8 @@
 A replica is not trusted to answer in shape: a restart behind a proxy answers 200 ``text/html``, a broken
 exporter writes ``process_start_time_seconds NaN``, a hostile one nests ``/v1/models`` 200,000 deep. Each
 reader here returns a well-formed value or raises ``MalformedAnswer`` with a short reason, never anything
-else (tests/test_boundary_properties.py checks it over arbitrary bytes and JSON of any shape). The callers
+else (tests/table/test_boundary_properties.py checks it over arbitrary bytes and JSON of any shape). The
+callers
 mark that replica with the reason (unhealthy, or not fingerprinted) and go on with the others.
 
 - ``json_of``: a body as JSON (strict UTF-8, any nesting kvgate's parser cannot hold is malformed).

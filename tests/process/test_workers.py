@@ -1,0 +1,294 @@
+"""``kvgate serve --workers N`` as a real subprocess: a parent, its workers, the embedded Redis it owns, stub
+replicas in this process. Each worker's own views are read on its private socket (``siblings.py``), the
+merged ones on the public port, so a test sees both what each worker did and what any worker answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.cli.main import main
+from gateway.process.http_edge import free_port, running
+from gateway.process.parent import worker_count
+from gateway.process.siblings import socket_path
+from gateway.settings.model import Settings
+from gateway.table.redis_server import EmbeddedRedis
+from tests.kv.test_kv_follower import captured
+from tests.kv.test_tokens import model_dir  # noqa: F401  (a small real tokenizer for kv_events)
+from tests.support.adapter_files import MakeAdapter
+from tests.support.conditions import eventually
+from tests.support.stub_backend import StubState, build_stub
+
+TOKEN = "workers-admin-token"
+ADMIN = {"x-kvgate-admin-token": TOKEN}
+
+
+@dataclass
+class Served:
+    url: str
+    data: Path
+    process: asyncio.subprocess.Process
+    log: Path
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        connector = aiohttp.TCPConnector(force_close=True)  # a new connection: any worker may take it
+        async with aiohttp.ClientSession(connector=connector) as http, http.get(f"{self.url}/healthz") as r:
+            return r.status, await r.json()
+
+    async def own(self, slot: int, path: str) -> bytes | None:
+        """Worker ``slot``'s own view (its private socket), or None if it does not answer."""
+        connector = aiohttp.UnixConnector(path=str(socket_path(self.data, slot)))
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with aiohttp.ClientSession(connector=connector) as http, http.get(f"http://w{path}") as r:
+                return await r.read()
+        return None
+
+    async def merged_metrics(self) -> str:
+        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics", headers=ADMIN) as r:
+            assert r.status == 200
+            return await r.text()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def sample(page: str | bytes | None, line_start: str) -> float:
+    text = page.decode() if isinstance(page, bytes) else page or ""
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.asynccontextmanager
+async def serve(data: Path, stub_url: str, *extra: str, workers: int = 2) -> AsyncIterator[Served]:
+    port = free_port()
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--replica", stub_url, "--port", str(port),
+               "--data-dir", str(data), "--store", str(data / "store"), "--workers", str(workers),
+               "--poll-interval", "0.2", "--reconcile-interval", "0.2", *extra]  # fmt: skip
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")},
+        "KVGATE_ADMIN_TOKEN": TOKEN,
+    }
+    log = data.parent / f"serve-{port}.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, env=env)
+    served = Served(f"http://127.0.0.1:{port}", data, process, log)
+    try:
+
+        async def all_ready() -> bool:
+            with contextlib.suppress(aiohttp.ClientError):
+                status, body = await served.health()
+                return status == 200 and [w["state"] for w in body["workers"]] == ["ready"] * workers
+            assert process.returncode is None, served.text()
+            return False
+
+        await eventually(all_ready, f"{workers} workers ready", within=60)
+        yield served
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), timeout=60)
+
+
+async def publish(data: Path, stub_url: str, logical_id: str, adapter: Path) -> str:
+    command = [sys.executable, "-m", "gateway.cli", "publish", logical_id, str(adapter), "--json",
+               "--replica", stub_url, "--data-dir", str(data), "--store", str(data / "store")]  # fmt: skip
+    done = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    out, _ = await done.communicate()
+    assert done.returncode == 0
+    name: str = json.loads(out)["name"]
+    return name
+
+
+async def complete(url: str, model: str) -> int:
+    connector = aiohttp.TCPConnector(force_close=True)
+    body = {"model": model, "prompt": "p", "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.post(f"{url}/v1/completions", json=body) as answer,
+    ):
+        await answer.read()
+        return answer.status
+
+
+async def test_two_workers_serve_a_later_publish_and_metrics_sum_both(
+    make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    stub, data = StubState(), tmp_path / "kvgate"
+    async with running(build_stub(stub)) as stub_url, serve(data, stub_url) as served:
+        status, body = await served.health()
+        pids = {worker["pid"] for worker in body["workers"]}
+        assert status == 200
+        assert len(pids) == 2
+        assert served.process.pid not in pids
+        owner = json.loads((data / "redis" / "owner.lock").read_text() or "{}")
+        assert owner.get("pid") == served.process.pid, "the parent owns the embedded Redis"
+        name = await publish(data, stub_url, "tenant-42", make_adapter(b"v1"))  # after both started
+        series = 'kvgate_requests_total{logical_id="tenant-42",outcome="200"}'
+        sent, answered = 0, set[int]()
+        while len(answered) < 2 and sent < 400:  # new connections until both workers served some
+            statuses = await asyncio.gather(*(complete(served.url, "tenant-42") for _ in range(10)))
+            assert statuses == [200] * 10
+            sent += 10
+            pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
+            answered = {slot for slot, page in enumerate(pages) if sample(page, series) > 0}
+        assert answered == {0, 1}, f"one worker took all {sent} connections"
+        assert sum(sample(page, series) for page in pages) == sent
+
+        async def summed() -> bool:  # whichever worker answers the scrape; a sibling's page is ≤ 1 s old
+            return sample(await served.merged_metrics(), series) == sent
+
+        await eventually(summed, f"the merged page counts all {sent} requests")
+        assert {r["model"] for r in stub.received if r.get("prompt") == "p"} == {name}
+    assert served.process.returncode == 0, served.text()
+    assert not EmbeddedRedis(data).answers(), "the embedded Redis stops with the parent"
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
+    stub, data = StubState(chunks=30, chunk_delay=0.1), tmp_path / "kvgate"
+    stream = {"model": "base", "prompt": "p", "stream": True, "max_tokens": 30}
+    async with running(build_stub(stub)) as stub_url, serve(data, stub_url) as served:
+        https = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) for _ in range(8)]
+        try:
+            answers = [await http.post(f"{served.url}/v1/completions", json=stream) for http in https]
+            for answer in answers:
+                await answer.content.readuntil(b"\n\n")  # every stream has begun
+            pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
+            begun = [sample(page, "kvgate_time_to_first_byte_seconds_count") for page in pages]
+            served.process.send_signal(signal.SIGTERM)
+            rests = [await answer.text() for answer in answers]
+        finally:
+            for http in https:
+                await http.close()
+        code = await asyncio.wait_for(served.process.wait(), timeout=60)
+    assert all(count > 0 for count in begun), f"streams per worker {begun}: both must hold one"
+    assert all(rest.rstrip().endswith("data: [DONE]") for rest in rests)
+    assert (stub.finished, stub.cancelled) == (8, 0)
+    assert code == 0, served.text()
+    assert "draining" in served.text()
+
+
+async def test_a_killed_worker_is_restarted_and_counted_and_the_merged_counters_never_drop(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "kvgate"
+    async with running(build_stub(StubState())) as stub_url, serve(data, stub_url) as served:
+        sent = 0
+        while sample(await served.own(1, "/metrics"), "kvgate_request_duration_seconds_count") == 0:
+            assert sent < 400, "worker 1 took no connection"
+            await asyncio.gather(*(complete(served.url, "base") for _ in range(10)))
+            sent += 10
+
+        async def counted(want: int) -> bool:
+            return sample(await served.merged_metrics(), "kvgate_request_duration_seconds_count") == want
+
+        await eventually(lambda: counted(sent), f"the merged page counts all {sent} requests")
+        _, body = await served.health()
+        victim = body["workers"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        statuses = await asyncio.gather(*(complete(served.url, "base") for _ in range(20)))
+        assert statuses == [200] * 20, "the other worker takes every connection meanwhile"
+        assert sample(await served.merged_metrics(), "kvgate_request_duration_seconds_count") >= sent, (
+            "a dead worker's requests still count"
+        )
+
+        async def back() -> bool:
+            _, now = await served.health()
+            slot = now["workers"][1]
+            return bool(slot["state"] == "ready" and slot["pid"] != victim["pid"] and slot["restarts"] == 1)
+
+        await eventually(back, "worker 1 restarted and ready", within=60)
+        await eventually(lambda: counted(sent + 20), "the new worker 1 carries the old one's counts on")
+        page = await served.merged_metrics()
+        assert sample(page, 'kvgate_worker_restarts_total{worker="1"}') == 1
+        assert sample(page, 'kvgate_worker_restarts_total{worker="0"}') == 0
+        assert sample(page, "kvgate_workers_answering") == 2
+    assert served.process.returncode == 0
+    assert f"worker 1 (pid {victim['pid']}) exited with signal SIGKILL; restarting it" in served.text()
+
+
+async def test_every_worker_follows_the_kv_events(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    try:
+        async with running(build_stub(StubState())) as stub_url:
+            extra = (
+                "--kv-events",
+                "--tokenizer",
+                str(model_dir),
+                "--kv-event-endpoints",
+                f"{stub_url}={endpoint}",
+            )
+            async with serve(tmp_path / "kvgate", stub_url, *extra) as served:
+                subscribed = 0
+                while subscribed < 2:  # one subscription per worker
+                    assert await pub.poll(20_000), "both workers subscribed"
+                    subscribed += (await pub.recv()).startswith(b"\x01")  # a subscription
+                for message in captured("map_frames.json")[:3]:
+                    await pub.send_multipart(message)
+                stored = f'kvgate_kv_events_total{{kind="BlockStored",replica="{stub_url}"}}'
+
+                async def both_applied() -> bool:
+                    pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
+                    return [sample(page, stored) for page in pages] == [3, 3]
+
+                await eventually(both_applied, "each worker applied the 3 BlockStored events", within=20)
+
+                async def summed() -> bool:  # counters: summed over the workers (a sibling's page ≤ 1 s old)
+                    return sample(await served.merged_metrics(), stored) == 6
+
+                await eventually(summed, "the merged page sums both workers' 3 events")
+                page = await served.merged_metrics()
+                blocks = f'kvgate_kv_view_blocks{{replica="{stub_url}"}}'
+                pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
+                each = [sample(own, blocks) for own in pages]
+                assert each[0] == each[1] > 0  # the same view of the replica in both workers
+                assert sample(page, blocks) == each[0]  # gauges: the largest, not the sum
+    finally:
+        pub.close()
+        context.term()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "257"])
+def test_a_bad_worker_count_exits_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--replica", "http://127.0.0.1:9", "--workers", value]) == 2
+    assert "invalid settings: workers:" in capsys.readouterr().err
+
+
+def test_a_worker_count_that_is_not_a_number_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--replica", "http://127.0.0.1:9", "--workers", "two"])
+    assert exited.value.code == 2
+    assert "--workers: invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_the_default_is_one_worker_per_core_within_the_cgroup_quota(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert worker_count(Settings(), cpu_max) == cores  # no cgroup file: the affinity
+    cpu_max.write_text("max 100000\n")
+    assert worker_count(Settings(), cpu_max) == cores
+    cpu_max.write_text("50000 100000\n")  # half a CPU: one worker
+    assert worker_count(Settings(), cpu_max) == 1
+    cpu_max.write_text(f"{100000 * (cores + 4)} 100000\n")  # a quota above the affinity: the affinity
+    assert worker_count(Settings(), cpu_max) == cores
+    assert worker_count(Settings(workers=3), cpu_max) == 3

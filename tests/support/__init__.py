@@ -1,0 +1,1 @@
+"""What the tests share: stub servers, fixtures' data, conditions to wait on."""
