@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
+from gateway.core.kv_index import PreciseIndex
 from gateway.fleet.base_prints import BasePrints
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.kv_follower import KvFollower
@@ -50,6 +51,7 @@ AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+PRECISE_INDEX = web.AppKey("precise_index", PreciseIndex)  # with kv_events on: the KV followers feed it
 KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
 GATE = web.AppKey("gate", Gate)

@@ -40,6 +40,7 @@ from gateway.app.keys import (
     LOADER,
     METRICS,
     POOL,
+    PRECISE_INDEX,
     PROXY,
     PURGER,
     QUARANTINE,
@@ -279,6 +280,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        if precise is not None:
+            app[PRECISE_INDEX] = precise
         scheduler = Scheduler(
             settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
         )

@@ -31,7 +31,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
-from gateway.core.kv_events import TOKEN_ID_END, is_token_id
+from gateway.core.model import TOKEN_ID_END, is_token_id
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``
