@@ -34,7 +34,7 @@ from gateway.app.keys import (
     VERDICTS,
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
-from gateway.fleet.kv_follower import follow_events
+from gateway.kv.follower import follow_events
 from gateway.proof.canary import Canary
 from gateway.proof.gate import Gate, GateRules
 from gateway.table.callers import CallerSync, CallerTable

@@ -8,14 +8,14 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
-from gateway.core.kv_index import PreciseIndex
 from gateway.fleet.base_prints import BasePrints
 from gateway.fleet.invalidation import PurgeAll
-from gateway.fleet.kv_follower import KvFollower
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.kv.follower import KvFollower
+from gateway.kv.index import PreciseIndex
 from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin

@@ -59,11 +59,11 @@ from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, disagreements, mismatch_report
 from gateway.fleet.invalidation import VERSION_SCOPED
-from gateway.fleet.kv_follower import followers_health, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.kv.follower import followers_health, precise_parts
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models

@@ -11,7 +11,7 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
   requests (unless that would drop them all).
 - scorers in [0, 1]: ``prefix_score`` (the share of the prompt's leading blocks a replica is known to
-  hold: first precisely, by its KV events (``core.kv_index``), then as predicted by where kvgate sent
+  hold: first precisely, by its KV events (``kv.index``), then as predicted by where kvgate sent
   prompts (``core.prefix``)) and ``load_score``; ties between prefix holders go to a rendezvous hash of
   the first block key and the replica, so a prefix that spilled onto several replicas keeps returning
   to one of them instead of being spread by load (which would make every replica cache every tenant).
@@ -66,7 +66,7 @@ class ReplicaView(Protocol):
 
 
 class HeldBlocks(Protocol):
-    """What the scheduler reads of the precise index (``kv_index.PreciseIndex``): for a request's
+    """What the scheduler reads of the precise index (``kv.index.PreciseIndex``): for a request's
     tokens, keyed in its cache namespace ``(adapter name, salt)``, how many leading blocks each replica
     (by URL) holds by its KV events."""
 
@@ -249,7 +249,7 @@ def evictions(
 class Scheduler:
     """``decide`` over the prefix indexes this scheduler owns: the predicted one (``served`` records what
     kvgate sent where) and, when KV events are followed, the precise one (``precise``, fed by
-    ``fleet.kv_follower``)."""
+    ``kv.follower``)."""
 
     def __init__(self, index_entries: int, *, budget: int, precise: HeldBlocks | None = None) -> None:
         self.index = PrefixIndex(index_entries)

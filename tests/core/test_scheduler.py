@@ -7,13 +7,13 @@ import itertools
 import pytest
 
 from gateway.core.errors import NoEligibleReplica
-from gateway.core.kv_events import BlockStored
-from gateway.core.kv_index import PreciseIndex
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
 from gateway.core.scheduler import Scheduler, evictions, within_bound
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
+from gateway.kv.events import BlockStored
+from gateway.kv.index import PreciseIndex
 
 TEXT = "".join(f"sentence {i} of a long shared system prompt. " for i in range(60))
 VERSION = VersionState("t", "d" * 64, "t@dddddddddddddddd", "/store/" + "d" * 64, "base", 1)

@@ -24,10 +24,10 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import BlockStored, decode_message
-from gateway.core.kv_index import PreciseIndex, block_keys
-from gateway.fleet.kv_follower import Endpoints, KvFollower, endpoints_from_sources, parse_endpoint_setting
 from gateway.fleet.replicas import Replica
+from gateway.kv.events import BlockStored, decode_message
+from gateway.kv.follower import Endpoints, KvFollower, endpoints_from_sources, parse_endpoint_setting
+from gateway.kv.index import PreciseIndex, block_keys
 from gateway.process.http_edge import free_port, running
 from gateway.request.status_page import kv_event_fields
 from gateway.telemetry.metrics import Metrics

@@ -4,7 +4,7 @@ One ``KvFollower`` per replica, each a plain ``run()`` loop: it finds the replic
 ``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the replica's own host; an endpoint
 on any other host, or not ``tcp://``, is refused and never connected; an explicit endpoint in the settings
 overrides it and may be anywhere), subscribes, and applies each batch to that replica's view
-(``core.kv_index``). Messages are decoded one at a time at the boundary (``core.kv_events``): a malformed
+(``kv.index``). Messages are decoded one at a time at the boundary (``kv.events``): a malformed
 one is counted and skipped. Sequence numbers are checked: a gap is repaired through vLLM's replay socket
 when there is one, else the replica's view is emptied and re-learned from what follows; a sequence that
 goes back means the publisher restarted (the view is emptied too). The view is also emptied when kvgate
@@ -32,13 +32,13 @@ import zmq
 import zmq.asyncio
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import Batch, decode_message, sequence
-from gateway.core.kv_index import PreciseIndex
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import answers
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
-from gateway.fleet.tokens import PromptTokens
+from gateway.kv.events import Batch, decode_message, sequence
+from gateway.kv.index import PreciseIndex
+from gateway.kv.prompt_tokens import PromptTokens
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-from gateway.core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from gateway.kv.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 KEY_BYTES = 16
 MAX_BLOCKS = 2048  # bounds the hashing work per request (256K tokens at vLLM's CPU block size)
