@@ -13,17 +13,17 @@ the embedded Redis too). A task runs beside a block::
 
 ``factory`` makes a fresh coroutine for each (re)start. A cancellation ends the task; any other exception
 (and a return: a background task runs until cancelled) restarts it after a capped exponential backoff
-(``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends when
-the task works again: for a loop built on ``periodically``, when one of its steps ends without an error
-it cannot answer itself (each step reports to the supervised task it runs in; a step that runs until
-cancelled, a subscriber, reports each round it makes with ``progressed``); for a task that never
-reported a step, once a run has lasted a whole ``period`` without failing. (Time alone would not do for
-a loop: a step that takes longer than the period to fail, a call that times out, would end its burst at
-every try and never count as failing.) A task made of several loops (a TaskGroup of ``periodically``)
-counts failure per loop: a loop whose step failed is *broken* until that loop completes a step again,
-and the burst ends only once no loop is broken, so a sibling's steps never hide a loop that keeps
-failing. The backoff then starts over. A burst is logged once (its first failure, with the traceback;
-its end, "running again"), and every restart is counted (``restarts``, exported as
+(``tasks.backoff``: ``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of
+failures ends when the task works again: for a loop built on ``periodically``, when one of its steps ends
+without an error it cannot answer itself (each step reports to the supervised task it runs in; a step
+that runs until cancelled, a subscriber, reports each round it makes with ``progressed``); for a task
+that never reported a step, once a run has lasted a whole ``period`` without failing. (Time alone would
+not do for a loop: a step that takes longer than the period to fail, a call that times out, would end its
+burst at every try and never count as failing.) A task made of several loops (a TaskGroup of
+``periodically``) counts failure per loop: a loop whose step failed is *broken* until that loop completes
+a step again, and the burst ends only once no loop is broken, so a sibling's steps never hide a loop that
+keeps failing. The backoff then starts over. A burst is logged once (its first failure, with the
+traceback; its end, "running again"), and every restart is counted (``restarts``, exported as
 ``kvgate_background_restarts_total{task}``).
 
 A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.tasks.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S = 0.1
@@ -63,13 +65,13 @@ class TaskState:
     name: str
     period: float
     fatal: bool
+    backoff: Backoff  # before each restart of the current burst; reset when the burst ends
     state: str = RUNNING
     since: float = 0.0  # wall-clock seconds: when it entered ``state``
     restarts: int = 0
     error_type: str | None = None  # the last failure's
     error_message: str | None = None
     failing_since: float | None = None  # monotonic: the current burst's first failure (None: no burst)
-    burst: int = 0  # failures in the current burst
     unready_logged: bool = False  # this burst's readiness failure was logged
     steps: bool = False  # it reports its steps (``periodically``): only a step ends a burst
     broken: set[str] = field(default_factory=set)  # its loops whose last step failed (by step name)
@@ -81,7 +83,13 @@ class TaskState:
                 "background task %s running again after %d failure(s) in %.1f s",
                 self.name, self.burst, self.failing_for(time.monotonic()),
             )  # fmt: skip
-        self.failing_since, self.burst, self.unready_logged = None, 0, False
+        self.failing_since, self.unready_logged = None, False
+        self.backoff.reset()
+
+    @property
+    def burst(self) -> int:
+        """Failures in the current burst."""
+        return self.backoff.failures
 
     def stepped(self, loop: str) -> None:
         """LOOP completed a step: the burst is over once no loop of this task is broken."""
@@ -124,7 +132,9 @@ class Supervisor:
         """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it."""
         if name in self.tasks:
             raise ValueError(f"a background task named {name!r} already runs")
-        state = self.tasks[name] = TaskState(name, period, fatal, since=time.time())
+        backoff = Backoff(BACKOFF_FIRST_S, max(BACKOFF_MAX_S, period))
+        state = TaskState(name, period, fatal, backoff, since=time.time())
+        self.tasks[name] = state
         task = asyncio.create_task(self._supervise(state, factory), name=f"kvgate:{name}")
         try:
             yield state
@@ -166,7 +176,7 @@ class Supervisor:
         lines = str(cause).strip().splitlines() or [""]  # the full error is in the log, with its traceback
         state.error_type, state.error_message = type(cause).__name__, lines[0].rstrip(" :")[:MESSAGE_CHARS]
         state.restarts += 1
-        state.burst += 1
+        wait = state.backoff.next()
         state.state, state.since = RESTARTING, time.time()
         if state.failing_since is None:
             state.failing_since = time.monotonic()
@@ -176,7 +186,7 @@ class Supervisor:
             )  # fmt: skip
         else:
             log.debug("background task %s failed again (%d in a row): %r", state.name, state.burst, cause)
-        return min(max(BACKOFF_MAX_S, state.period), BACKOFF_FIRST_S * 2.0 ** (state.burst - 1))
+        return wait
 
     def _ran_a_period(self, state: TaskState) -> None:
         if not state.steps:  # a loop's burst ends at its next good step instead
@@ -199,7 +209,7 @@ class Supervisor:
 
     def failing(self) -> list[str]:
         """Why readiness fails: each task failing for longer than its limit, with its last error."""
-        return [self._reason(state) for state in self.tasks.values() if self._over_limit(state)]
+        return [self._reason(state) for state in self._failing()]
 
     def health(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
@@ -210,7 +220,10 @@ class Supervisor:
 
     def failing_tasks(self) -> list[str]:
         """The names of the tasks ``failing`` gives reasons for (what anonymous ``/healthz`` shows)."""
-        return [state.name for state in self.tasks.values() if self._over_limit(state)]
+        return [state.name for state in self._failing()]
+
+    def _failing(self) -> list[TaskState]:
+        return [state for state in self.tasks.values() if self._over_limit(state)]
 
     async def wait_fatal(self) -> str:
         """Until a fatal task is failing; its reason."""
