@@ -29,7 +29,9 @@ traceback; its end, "running again"), and every restart is counted (``restarts``
 A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
 names it with its last error (``/healthz`` answers 503 with that reason) until it works again (above).
 A ``fatal`` task that is failing makes the process useless: ``fatal_reason`` is set and ``wait_fatal``
-returns it (``kvgate serve`` then exits 1).
+returns it (``kvgate serve`` then exits 1). A task that is not ``required`` (a replica's KV events: the
+predicted index routes while they fail) is restarted, counted and shown the same way, but its failing
+never fails readiness: ``failing()`` leaves it out, ``health()`` shows how long it has been failing.
 
 Task names are the label values of the restart counter: a fixed set (one per loop, or one per
 configured replica), never anything a client or Redis chooses.
@@ -66,6 +68,7 @@ class TaskState:
     period: float
     fatal: bool
     backoff: Backoff  # before each restart of the current burst; reset when the burst ends
+    required: bool = True  # its failing fails readiness (``failing``)
     state: str = RUNNING
     since: float = 0.0  # wall-clock seconds: when it entered ``state``
     restarts: int = 0
@@ -127,13 +130,19 @@ class Supervisor:
 
     @contextlib.asynccontextmanager
     async def run(
-        self, name: str, factory: Callable[[], Awaitable[None]], *, period: float, fatal: bool = False
+        self,
+        name: str,
+        factory: Callable[[], Awaitable[None]],
+        *,
+        period: float,
+        fatal: bool = False,
+        required: bool = True,
     ) -> AsyncIterator[TaskState]:
         """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it."""
         if name in self.tasks:
             raise ValueError(f"a background task named {name!r} already runs")
         backoff = Backoff(BACKOFF_FIRST_S, max(BACKOFF_MAX_S, period))
-        state = TaskState(name, period, fatal, backoff, since=time.time())
+        state = TaskState(name, period, fatal, backoff, required or fatal, since=time.time())
         self.tasks[name] = state
         task = asyncio.create_task(self._supervise(state, factory), name=f"kvgate:{name}")
         try:
@@ -161,7 +170,7 @@ class Supervisor:
                 ended_burst.cancel()
             raise_if_cancelling(error)  # a library turned this task's cancellation into an error
             await asyncio.sleep(self._failed(state, error))
-            if self._over_limit(state):
+            if self._over_limit(state) and state.required:
                 if state.fatal:
                     self._end_process(state)
                     return
@@ -208,7 +217,7 @@ class Supervisor:
         )
 
     def failing(self) -> list[str]:
-        """Why readiness fails: each task failing for longer than its limit, with its last error."""
+        """Why readiness fails: each required task failing for longer than its limit, with its last error."""
         return [self._reason(state) for state in self._failing()]
 
     def health(self) -> dict[str, dict[str, Any]]:
@@ -223,7 +232,7 @@ class Supervisor:
         return [state.name for state in self._failing()]
 
     def _failing(self) -> list[TaskState]:
-        return [state for state in self.tasks.values() if self._over_limit(state)]
+        return [state for state in self.tasks.values() if state.required and self._over_limit(state)]
 
     async def wait_fatal(self) -> str:
         """Until a fatal task is failing; its reason."""
