@@ -69,6 +69,7 @@ class TaskState:
     fatal: bool
     backoff: Backoff  # before each restart of the current burst; reset when the burst ends
     required: bool = True  # its failing fails readiness (``failing``)
+    expected: tuple[type[BaseException], ...] = ()  # failures logged in one line, without a traceback
     state: str = RUNNING
     since: float = 0.0  # wall-clock seconds: when it entered ``state``
     restarts: int = 0
@@ -137,12 +138,15 @@ class Supervisor:
         period: float,
         fatal: bool = False,
         required: bool = True,
+        expected: tuple[type[BaseException], ...] = (),
     ) -> AsyncIterator[TaskState]:
-        """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it."""
+        """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it.
+        A failure of an ``expected`` type (the outside world's: a replica without events) is logged
+        without its traceback, which would say nothing its message does not."""
         if name in self.tasks:
             raise ValueError(f"a background task named {name!r} already runs")
         backoff = Backoff(BACKOFF_FIRST_S, max(BACKOFF_MAX_S, period))
-        state = TaskState(name, period, fatal, backoff, required or fatal, since=time.time())
+        state = TaskState(name, period, fatal, backoff, required or fatal, expected, since=time.time())
         self.tasks[name] = state
         task = asyncio.create_task(self._supervise(state, factory), name=f"kvgate:{name}")
         try:
@@ -191,7 +195,8 @@ class Supervisor:
             state.failing_since = time.monotonic()
             log.error(
                 "background task %s failed, restarting it with backoff (logged once until it runs again): "
-                "%s: %s", state.name, state.error_type, state.error_message, exc_info=error,
+                "%s: %s", state.name, state.error_type, state.error_message,
+                exc_info=None if isinstance(cause, state.expected) else error,
             )  # fmt: skip
         else:
             log.debug("background task %s failed again (%d in a row): %r", state.name, state.burst, cause)
