@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SOURCES_PATH = "/kv_event_sources"
 POLL_MS = 500  # how often the loop looks up from the socket (a replica restart, a cancellation)
 REPLAY_TIMEOUT_S = 2.0
-EXPECTED = (KvgateError, aiohttp.ClientError, OSError)  # a replica's failures: logged without a traceback
+REPLICA_ERRORS = (KvgateError, aiohttp.ClientError, OSError)  # a replica's fault: logged without a traceback
 PERIOD_S = 30.0  # the supervisor's period: an attempt that lasts this long works; restarts wait at most this
 _END_SEQ = -1
 
@@ -336,8 +336,10 @@ async def follow_events(
     try:
         async with contextlib.AsyncExitStack() as stack:
             for url, follower in followers.items():
-                name = f"kv-events:{replica_id(url)}"
-                task = supervisor.run(name, follower.run, period=PERIOD_S, required=False, expected=EXPECTED)
+                task = supervisor.run(
+                    f"kv-events:{replica_id(url)}", follower.run,
+                    period=PERIOD_S, required=False, expected=REPLICA_ERRORS,
+                )  # fmt: skip
                 await stack.enter_async_context(task)
             yield followers
     finally:
