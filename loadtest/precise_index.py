@@ -19,10 +19,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from gateway.core.kv_events import BlockStored
-from gateway.core.kv_index import PreciseIndex, block_keys
 from gateway.dev import generated_docs
-from gateway.fleet.tokens import PromptTokens
+from gateway.kv.events import BlockStored
+from gateway.kv.index import PreciseIndex, block_keys
+from gateway.kv.prompt_tokens import PromptTokens
 from gateway.proof.experiment import long_prompt
 
 BLOCK = 128

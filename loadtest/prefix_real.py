@@ -12,7 +12,7 @@ tenants' versions loaded on both replicas, the same seeded request list):
 - ``predicted``: kvgate's own index of where it sent prompts (``kv_events`` off);
 - ``precise``: ``kv_events`` on and ``tokenizer`` set.
 
-The benchmark follows both replicas' event streams itself (``core.kv_events`` + ``core.kv_index``): for
+The benchmark follows both replicas' event streams itself (``kv.events`` + ``kv.index``): for
 each request it computes, at the moment it is sent, the blocks the best replica holds of its prompt in its
 namespace (an oracle that knows every replica's blocks at decision time, capped at what vLLM can reuse: not
 the prompt's last token); and afterwards it checks every cache hit against the blocks of the request's own
@@ -47,12 +47,12 @@ import zmq.asyncio
 from redis.asyncio import Redis
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import BlockRemoved, BlockStored, decode_message
-from gateway.core.kv_index import Namespace, PreciseIndex, block_keys, stored_namespace
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, REPLICA_HEADER, VERSION_HEADER
 from gateway.dev import generated_docs
 from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
-from gateway.fleet.tokens import PromptTokens
+from gateway.kv.events import BlockRemoved, BlockStored, decode_message
+from gateway.kv.index import Namespace, PreciseIndex, block_keys, stored_namespace
+from gateway.kv.prompt_tokens import PromptTokens
 from gateway.process.http_edge import free_port
 from gateway.proof.experiment import long_prompt
 from gateway.table.redis_server import EmbeddedRedis

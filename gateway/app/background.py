@@ -22,6 +22,7 @@ from gateway.app.keys import (
     LOADER,
     METRICS,
     POOL,
+    PRECISE_INDEX,
     PROXY,
     PURGER,
     QUARANTINE,
@@ -33,7 +34,7 @@ from gateway.app.keys import (
     VERDICTS,
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
-from gateway.fleet.kv_follower import follow_events
+from gateway.kv.follower import follow_events
 from gateway.proof.canary import Canary
 from gateway.proof.gate import Gate, GateRules
 from gateway.table.callers import CallerSync, CallerTable
@@ -125,7 +126,7 @@ async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
 
 
 async def kv_followers(app: web.Application) -> AsyncIterator[None]:
-    precise, endpoints = app[PROXY].scheduler.precise, app[SETTINGS].kv_event_endpoints
+    precise, endpoints = app.get(PRECISE_INDEX), app[SETTINGS].kv_event_endpoints
     followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
     async with followers as app[KV_FOLLOWERS]:
         yield

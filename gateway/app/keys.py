@@ -10,11 +10,12 @@ from opentelemetry.trace import Tracer
 
 from gateway.fleet.base_prints import BasePrints
 from gateway.fleet.invalidation import PurgeAll
-from gateway.fleet.kv_follower import KvFollower
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.kv.follower import KvFollower
+from gateway.kv.index import PreciseIndex
 from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin
@@ -50,6 +51,7 @@ AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+PRECISE_INDEX = web.AppKey("precise_index", PreciseIndex)  # with kv_events on: the KV followers feed it
 KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
 GATE = web.AppKey("gate", Gate)

@@ -40,6 +40,7 @@ from gateway.app.keys import (
     LOADER,
     METRICS,
     POOL,
+    PRECISE_INDEX,
     PROXY,
     PURGER,
     QUARANTINE,
@@ -58,11 +59,11 @@ from gateway.fleet.base_bytes import CACHE_FILE as BASE_DIGESTS_FILE
 from gateway.fleet.base_bytes import BaseBytes
 from gateway.fleet.base_prints import BasePrints, disagreements, mismatch_report
 from gateway.fleet.invalidation import VERSION_SCOPED
-from gateway.fleet.kv_follower import followers_health, precise_parts
 from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
+from gateway.kv.follower import followers_health, precise_parts
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
@@ -279,6 +280,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        if precise is not None:
+            app[PRECISE_INDEX] = precise
         scheduler = Scheduler(
             settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
         )

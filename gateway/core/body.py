@@ -18,7 +18,7 @@ Integers beyond 64 bits are read as floats (orjson's rule), and forwarded as sen
 body is serialized); vLLM refuses such values in every integer field anyway. A ``prompt`` given as token
 ids (vLLM's ``list[int]`` or ``list[list[int]]``) is checked here: an id that is negative or 2^63 or more
 is a 400 (vLLM refuses it as out of vocabulary too, but kvgate keys a prompt's tokens as 64-bit ints
-before any replica sees it: ``core.kv_index``).
+before any replica sees it: ``kv.index``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
-from gateway.core.kv_events import TOKEN_ID_END, is_token_id
+from gateway.core.model import TOKEN_ID_END, is_token_id
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``

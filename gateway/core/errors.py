@@ -311,4 +311,4 @@ class ReplicaStartError(KvgateError):
 
 class MalformedEvent(KvgateError):
     """A KV cache event (or the message carrying it) from a replica that is not what vLLM sends: counted
-    and skipped at the boundary (``core.kv_events``), never stopping the subscriber."""
+    and skipped at the boundary (``kv.events``), never stopping the subscriber."""

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TOKEN_ID_END = 1 << 63
+"""Token ids are below this, and not negative: kvgate keys a prompt's blocks by their tokens as signed
+64-bit ints (``kv.index.block_keys``)."""
+
+
+def is_token_id(value: object) -> bool:
+    """An int in ``0 .. 2^63 - 1``: a token id kvgate can key (a client may send any int; vLLM does not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < TOKEN_ID_END
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:

@@ -11,7 +11,7 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
   requests (unless that would drop them all).
 - scorers in [0, 1]: ``prefix_score`` (the share of the prompt's leading blocks a replica is known to
-  hold: first precisely, by its KV events (``core.kv_index``), then as predicted by where kvgate sent
+  hold: first precisely, by its KV events (``kv.index``), then as predicted by where kvgate sent
   prompts (``core.prefix``)) and ``load_score``; ties between prefix holders go to a rendezvous hash of
   the first block key and the replica, so a prefix that spilled onto several replicas keeps returning
   to one of them instead of being spread by load (which would make every replica cache every tenant).
@@ -35,7 +35,6 @@ from blake3 import blake3
 
 from gateway.core.base_print import prints_match
 from gateway.core.errors import NoEligibleReplica
-from gateway.core.kv_index import Namespace, PreciseIndex, block_keys
 from gateway.core.model import Target
 from gateway.core.prefix import PrefixIndex
 
@@ -64,6 +63,16 @@ class ReplicaView(Protocol):
         ...
 
     def serves(self, name: str, root: str) -> bool: ...
+
+
+class HeldBlocks(Protocol):
+    """What the scheduler reads of the precise index (``kv.index.PreciseIndex``): for a request's
+    tokens, keyed in its cache namespace ``(adapter name, salt)``, how many leading blocks each replica
+    (by URL) holds by its KV events."""
+
+    def held_blocks(
+        self, namespace: tuple[str | None, str | None], tokens: Sequence[int]
+    ) -> Callable[[str], int]: ...
 
 
 R = TypeVar("R", bound=ReplicaView)
@@ -240,9 +249,9 @@ def evictions(
 class Scheduler:
     """``decide`` over the prefix indexes this scheduler owns: the predicted one (``served`` records what
     kvgate sent where) and, when KV events are followed, the precise one (``precise``, fed by
-    ``fleet.kv_follower``)."""
+    ``kv.follower``)."""
 
-    def __init__(self, index_entries: int, *, budget: int, precise: PreciseIndex | None = None) -> None:
+    def __init__(self, index_entries: int, *, budget: int, precise: HeldBlocks | None = None) -> None:
         self.index = PrefixIndex(index_entries)
         self.precise = precise
         self.budget = budget
@@ -257,21 +266,11 @@ class Scheduler:
     def _precise_match(self, target: Target) -> Callable[[ReplicaView], int] | None:
         """How many leading token blocks of the request a replica holds by its events (None: no tokens,
         or no events followed). The request is keyed in the namespace its blocks will have there."""
-        index = self.precise
-        if index is None or not target.tokens:
+        if self.precise is None or not target.tokens:
             return None
-        namespace: Namespace = (target.version.name if target.version is not None else None, target.salt)
-        keys: dict[int, list[bytes]] = {}
-
-        def held(replica: ReplicaView) -> int:
-            size = index.block_size(replica.url)
-            if size is None:
-                return 0
-            if size not in keys:
-                keys[size] = block_keys(namespace, target.tokens, size)
-            return index.matched(keys[size], replica.url)
-
-        return held
+        name = target.version.name if target.version is not None else None
+        held = self.precise.held_blocks((name, target.salt), target.tokens)
+        return lambda replica: held(replica.url)
 
     def served(self, target: Target, replica: ReplicaView) -> None:
         if target.keys:

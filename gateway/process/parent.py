@@ -37,12 +37,13 @@ from gateway.core.errors import BadRequest, KvgateError
 from gateway.process.http_edge import BACKLOG
 from gateway.process.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
 from gateway.settings.model import Settings
+from gateway.tasks.backoff import Backoff
 from gateway.tasks.supervisor import Supervisor
 
 log = logging.getLogger("gateway.process.parent")
 
-STEADY_S = 30.0  # a worker that lived this long was not crash-looping: its slot's failure streak resets
-BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # waits before restarting a slot that failed 1, 2, 3, 4+ times in a row
+STEADY_S = 30.0  # a worker that lived this long was not crash-looping: restarted at once, its backoff reset
+RESTART_FIRST_S, RESTART_MAX_S = 0.5, 5.0  # the backoff of a slot whose worker keeps dying soon after start
 KILL_AFTER_S = 10.0  # beyond shutdown_timeout: a worker still running then is killed
 
 
@@ -152,7 +153,7 @@ class Workers:
 
     async def keep(self, slot: int) -> None:
         """Slot ``slot``'s worker, restarted whenever it exits until ``stop``."""
-        streak, served = 0, False
+        backoff, served = Backoff(RESTART_FIRST_S, RESTART_MAX_S), False
         while not self.stopping:
             began = time.monotonic()
             process, ready = await self._start(slot)
@@ -169,18 +170,23 @@ class Workers:
                 why = f"worker {slot} could not start ({_exit_text(code)}; its error is above)"
                 self._fail(BadRequest(why) if code == 2 else KvgateError(why))
                 return
-            streak = 0 if time.monotonic() - began >= STEADY_S else streak + 1
+            steady = time.monotonic() - began >= STEADY_S
+            if steady:
+                backoff.reset()
+            wait = 0.0 if steady else backoff.next()
             self.restarts[slot] += 1
             log.warning(
                 "worker %d (pid %d) exited with %s; restarting it (restart %d of this slot)",
                 slot, process.pid, _exit_text(code), self.restarts[slot],
             )  # fmt: skip
-            if streak > self.settings.background_failure_limit:
+            if backoff.failures > self.settings.background_failure_limit:
                 self._fail(
-                    KvgateError(f"worker {slot} keeps exiting soon after it starts ({streak} in a row)")
+                    KvgateError(
+                        f"worker {slot} keeps exiting soon after it starts ({backoff.failures} in a row)"
+                    )
                 )
                 return
-            await asyncio.sleep(BACKOFF_S[min(streak, len(BACKOFF_S)) - 1] if streak else 0.0)
+            await asyncio.sleep(wait)
 
     async def stop(self) -> None:
         """SIGTERM to every worker (each drains); the ones still running after the drain's time are killed."""

@@ -45,7 +45,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
-from gateway.fleet.tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
+from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found

@@ -78,7 +78,7 @@ def operator_fields(metrics: Metrics, verdicts: Verdicts) -> dict[str, Any]:
 
 
 def kv_event_fields(metrics: Metrics) -> dict[str, dict[str, float]]:
-    """Per replica, what its KV events did (``fleet.kv_follower``; empty when ``kv_events`` is off): blocks
+    """Per replica, what its KV events did (``kv.follower``; empty when ``kv_events`` is off): blocks
     in its view, events, malformed ones, gaps, views emptied, follower failures, the last batch's lag."""
     sources = {
         "blocks": metrics.kv_view_blocks,

@@ -13,23 +13,25 @@ the embedded Redis too). A task runs beside a block::
 
 ``factory`` makes a fresh coroutine for each (re)start. A cancellation ends the task; any other exception
 (and a return: a background task runs until cancelled) restarts it after a capped exponential backoff
-(``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of failures ends when
-the task works again: for a loop built on ``periodically``, when one of its steps ends without an error
-it cannot answer itself (each step reports to the supervised task it runs in; a step that runs until
-cancelled, a subscriber, reports each round it makes with ``progressed``); for a task that never
-reported a step, once a run has lasted a whole ``period`` without failing. (Time alone would not do for
-a loop: a step that takes longer than the period to fail, a call that times out, would end its burst at
-every try and never count as failing.) A task made of several loops (a TaskGroup of ``periodically``)
-counts failure per loop: a loop whose step failed is *broken* until that loop completes a step again,
-and the burst ends only once no loop is broken, so a sibling's steps never hide a loop that keeps
-failing. The backoff then starts over. A burst is logged once (its first failure, with the traceback;
-its end, "running again"), and every restart is counted (``restarts``, exported as
+(``tasks.backoff``: ``BACKOFF_FIRST_S`` doubling, at most ``max(BACKOFF_MAX_S, period)``). A burst of
+failures ends when the task works again: for a loop built on ``periodically``, when one of its steps ends
+without an error it cannot answer itself (each step reports to the supervised task it runs in; a step
+that runs until cancelled, a subscriber, reports each round it makes with ``progressed``); for a task
+that never reported a step, once a run has lasted a whole ``period`` without failing. (Time alone would
+not do for a loop: a step that takes longer than the period to fail, a call that times out, would end its
+burst at every try and never count as failing.) A task made of several loops (a TaskGroup of
+``periodically``) counts failure per loop: a loop whose step failed is *broken* until that loop completes
+a step again, and the burst ends only once no loop is broken, so a sibling's steps never hide a loop that
+keeps failing. The backoff then starts over. A burst is logged once (its first failure, with the
+traceback; its end, "running again"), and every restart is counted (``restarts``, exported as
 ``kvgate_background_restarts_total{task}``).
 
 A task whose burst has lasted longer than ``failure_limit`` x its period is *failing*: ``failing()``
 names it with its last error (``/healthz`` answers 503 with that reason) until it works again (above).
 A ``fatal`` task that is failing makes the process useless: ``fatal_reason`` is set and ``wait_fatal``
-returns it (``kvgate serve`` then exits 1).
+returns it (``kvgate serve`` then exits 1). A task that is not ``required`` (a replica's KV events: the
+predicted index routes while they fail) is restarted, counted and shown the same way, but its failing
+never fails readiness: ``failing()`` leaves it out, ``health()`` shows how long it has been failing.
 
 Task names are the label values of the restart counter: a fixed set (one per loop, or one per
 configured replica), never anything a client or Redis chooses.
@@ -47,6 +49,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.tasks.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S = 0.1
@@ -63,13 +67,15 @@ class TaskState:
     name: str
     period: float
     fatal: bool
+    backoff: Backoff  # before each restart of the current burst; reset when the burst ends
+    required: bool = True  # its failing fails readiness (``failing``)
+    expected: tuple[type[BaseException], ...] = ()  # failures logged in one line, without a traceback
     state: str = RUNNING
     since: float = 0.0  # wall-clock seconds: when it entered ``state``
     restarts: int = 0
     error_type: str | None = None  # the last failure's
     error_message: str | None = None
     failing_since: float | None = None  # monotonic: the current burst's first failure (None: no burst)
-    burst: int = 0  # failures in the current burst
     unready_logged: bool = False  # this burst's readiness failure was logged
     steps: bool = False  # it reports its steps (``periodically``): only a step ends a burst
     broken: set[str] = field(default_factory=set)  # its loops whose last step failed (by step name)
@@ -81,7 +87,13 @@ class TaskState:
                 "background task %s running again after %d failure(s) in %.1f s",
                 self.name, self.burst, self.failing_for(time.monotonic()),
             )  # fmt: skip
-        self.failing_since, self.burst, self.unready_logged = None, 0, False
+        self.failing_since, self.unready_logged = None, False
+        self.backoff.reset()
+
+    @property
+    def burst(self) -> int:
+        """Failures in the current burst."""
+        return self.backoff.failures
 
     def stepped(self, loop: str) -> None:
         """LOOP completed a step: the burst is over once no loop of this task is broken."""
@@ -119,12 +131,23 @@ class Supervisor:
 
     @contextlib.asynccontextmanager
     async def run(
-        self, name: str, factory: Callable[[], Awaitable[None]], *, period: float, fatal: bool = False
+        self,
+        name: str,
+        factory: Callable[[], Awaitable[None]],
+        *,
+        period: float,
+        fatal: bool = False,
+        required: bool = True,
+        expected: tuple[type[BaseException], ...] = (),
     ) -> AsyncIterator[TaskState]:
-        """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it."""
+        """Run ``factory()`` beside the block, restarted whenever it fails; the block's end cancels it.
+        A failure of an ``expected`` type (the outside world's: a replica without events) is logged
+        without its traceback, which would say nothing its message does not."""
         if name in self.tasks:
             raise ValueError(f"a background task named {name!r} already runs")
-        state = self.tasks[name] = TaskState(name, period, fatal, since=time.time())
+        backoff = Backoff(BACKOFF_FIRST_S, max(BACKOFF_MAX_S, period))
+        state = TaskState(name, period, fatal, backoff, required or fatal, expected, since=time.time())
+        self.tasks[name] = state
         task = asyncio.create_task(self._supervise(state, factory), name=f"kvgate:{name}")
         try:
             yield state
@@ -151,7 +174,7 @@ class Supervisor:
                 ended_burst.cancel()
             raise_if_cancelling(error)  # a library turned this task's cancellation into an error
             await asyncio.sleep(self._failed(state, error))
-            if self._over_limit(state):
+            if self._over_limit(state) and state.required:
                 if state.fatal:
                     self._end_process(state)
                     return
@@ -166,17 +189,18 @@ class Supervisor:
         lines = str(cause).strip().splitlines() or [""]  # the full error is in the log, with its traceback
         state.error_type, state.error_message = type(cause).__name__, lines[0].rstrip(" :")[:MESSAGE_CHARS]
         state.restarts += 1
-        state.burst += 1
+        wait = state.backoff.next()
         state.state, state.since = RESTARTING, time.time()
         if state.failing_since is None:
             state.failing_since = time.monotonic()
             log.error(
                 "background task %s failed, restarting it with backoff (logged once until it runs again): "
-                "%s: %s", state.name, state.error_type, state.error_message, exc_info=error,
+                "%s: %s", state.name, state.error_type, state.error_message,
+                exc_info=None if isinstance(cause, state.expected) else error,
             )  # fmt: skip
         else:
             log.debug("background task %s failed again (%d in a row): %r", state.name, state.burst, cause)
-        return min(max(BACKOFF_MAX_S, state.period), BACKOFF_FIRST_S * 2.0 ** (state.burst - 1))
+        return wait
 
     def _ran_a_period(self, state: TaskState) -> None:
         if not state.steps:  # a loop's burst ends at its next good step instead
@@ -198,8 +222,8 @@ class Supervisor:
         )
 
     def failing(self) -> list[str]:
-        """Why readiness fails: each task failing for longer than its limit, with its last error."""
-        return [self._reason(state) for state in self.tasks.values() if self._over_limit(state)]
+        """Why readiness fails: each required task failing for longer than its limit, with its last error."""
+        return [self._reason(state) for state in self._failing()]
 
     def health(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
@@ -210,7 +234,10 @@ class Supervisor:
 
     def failing_tasks(self) -> list[str]:
         """The names of the tasks ``failing`` gives reasons for (what anonymous ``/healthz`` shows)."""
-        return [state.name for state in self.tasks.values() if self._over_limit(state)]
+        return [state.name for state in self._failing()]
+
+    def _failing(self) -> list[TaskState]:
+        return [state for state in self.tasks.values() if state.required and self._over_limit(state)]
 
     async def wait_fatal(self) -> str:
         """Until a fatal task is failing; its reason."""

@@ -7,13 +7,13 @@ import itertools
 import pytest
 
 from gateway.core.errors import NoEligibleReplica
-from gateway.core.kv_events import BlockStored
-from gateway.core.kv_index import PreciseIndex
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
 from gateway.core.scheduler import Scheduler, evictions, within_bound
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
+from gateway.kv.events import BlockStored
+from gateway.kv.index import PreciseIndex
 
 TEXT = "".join(f"sentence {i} of a long shared system prompt. " for i in range(60))
 VERSION = VersionState("t", "d" * 64, "t@dddddddddddddddd", "/store/" + "d" * 64, "base", 1)
@@ -171,12 +171,12 @@ def stored(namespace: tuple[str | None, str | None], blocks: int, first_hash: in
 
 def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
+    index = PreciseIndex(1000)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
     wanted = precise_target()
     scheduler.served(wanted, pool[0])  # predicted: r0 holds the whole prompt
-    assert scheduler.precise is not None
-    scheduler.precise.apply(pool[1].url, [stored((VERSION.name, "kvg-a"), 2)])
-    scheduler.precise.apply(pool[2].url, [stored((VERSION.name, "kvg-a"), 4)])
+    index.apply(pool[1].url, [stored((VERSION.name, "kvg-a"), 2)])
+    index.apply(pool[2].url, [stored((VERSION.name, "kvg-a"), 4)])
     decision = scheduler.decide(pool, wanted)
     assert (decision.replica, decision.reason, decision.prefix_source) == (pool[2], "prefix", "precise")
     assert decision.matched_blocks == 4
@@ -184,10 +184,10 @@ def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
 
 def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_stays() -> None:
     pool = replicas(2)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
-    assert scheduler.precise is not None
-    scheduler.precise.apply(pool[1].url, [stored(("t@other", "kvg-a"), 4)])  # another version's blocks
-    scheduler.precise.apply(pool[1].url, [stored((VERSION.name, "kvg-client"), 4, first_hash=10)])
+    index = PreciseIndex(1000)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
+    index.apply(pool[1].url, [stored(("t@other", "kvg-a"), 4)])  # another version's blocks
+    index.apply(pool[1].url, [stored((VERSION.name, "kvg-client"), 4, first_hash=10)])
     wanted = precise_target()
     scheduler.served(wanted, pool[0])
     decision = scheduler.decide(pool, wanted)
@@ -202,9 +202,9 @@ def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_s
 
 def test_a_precise_holder_over_its_bound_is_passed_over() -> None:
     pool = replicas(2)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=PreciseIndex(1000))
-    assert scheduler.precise is not None
-    scheduler.precise.apply(pool[0].url, [stored((VERSION.name, "kvg-a"), 4)])
+    index = PreciseIndex(1000)
+    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
+    index.apply(pool[0].url, [stored((VERSION.name, "kvg-a"), 4)])
     for _ in range(4):
         pool[0].begin("x")
     decision = scheduler.decide(pool, precise_target())

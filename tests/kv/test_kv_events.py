@@ -17,8 +17,8 @@ import msgpack
 import pytest
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, decode_message
-from gateway.core.kv_index import PreciseIndex, block_keys, stored_namespace
+from gateway.kv.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, decode_message
+from gateway.kv.index import PreciseIndex, block_keys, stored_namespace
 
 FIXTURES = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "kv_events"
 ENCODINGS = ("map", "array")

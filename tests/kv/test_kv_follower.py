@@ -3,7 +3,8 @@
 The publisher here is a real pyzmq XPUB socket (it answers once the follower has subscribed) and, for
 gap repair, a ROUTER speaking vLLM's replay protocol (``ZmqEventPublisher._service_replay``: a request
 ``[identity, b"", start_seq]``, answered ``[identity, b"", topic, seq, payload]`` per batch, then an end
-marker with sequence -1). tests/vllm/test_precise_vllm.py runs the follower against vLLM itself.
+marker with sequence -1). A follower whose attempt fails is restarted by a real ``Supervisor``, as kvgate
+runs it. tests/vllm/test_precise_vllm.py runs the follower against vLLM itself.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,12 +26,19 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import BlockStored, decode_message
-from gateway.core.kv_index import PreciseIndex, block_keys
-from gateway.fleet.kv_follower import Endpoints, KvFollower, endpoints_from_sources, parse_endpoint_setting
 from gateway.fleet.replicas import Replica
+from gateway.kv.events import BlockStored, decode_message
+from gateway.kv.follower import (
+    PERIOD_S,
+    Endpoints,
+    KvFollower,
+    endpoints_from_sources,
+    parse_endpoint_setting,
+)
+from gateway.kv.index import PreciseIndex, block_keys
 from gateway.process.http_edge import free_port, running
 from gateway.request.status_page import kv_event_fields
+from gateway.tasks.supervisor import Supervisor
 from gateway.telemetry.metrics import Metrics
 from tests.support.conditions import eventually
 
@@ -247,57 +256,112 @@ async def test_a_sequence_going_back_or_a_restart_empties_the_view() -> None:
         assert f.count("kvgate_kv_view_resets_total", reason="replica restarted") == 1
 
 
-async def test_a_replica_without_event_sources_is_retried_until_it_has_them() -> None:
-    """Discovery failures (a 404, then an answer with events off) are counted; the loop goes on and
-    follows the publisher once /kv_event_sources names it (``*`` is the replica's own host)."""
+@dataclass
+class Sources:
+    """A replica's ``/kv_event_sources``, served in-process: the next ``answers`` first (failures), then
+    the real publisher at ``port`` (``*``: the replica's own host)."""
+
+    port: int
+    answers: list[web.Response]
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self.answers:
+            return self.answers.pop(0)
+        return web.json_response(sources_answer(f"tcp://*:{self.port}"))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/kv_event_sources", self.handle)
+        return app
+
+
+@asynccontextmanager
+async def publisher(
+    endpoint: str | None = None,
+) -> AsyncIterator[tuple[zmq.asyncio.Context, zmq.asyncio.Socket]]:
+    """A real XPUB socket (bound to ``endpoint``, else to a free port on 127.0.0.1) and its context."""
     context = zmq.asyncio.Context()
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
-    port = free_port()
-    pub.bind(f"tcp://127.0.0.1:{port}")
-    answers: list[web.Response] = [
-        web.Response(status=404),
-        web.json_response({"0": {"enable_kv_cache_events": False}}),
-    ]
+    pub.bind(endpoint or f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield context, pub
+    finally:
+        pub.close()
+        context.term()
 
-    async def sources(request: web.Request) -> web.Response:
-        if answers:
-            return answers.pop(0)
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
-            "topic": "kv",
-        }
-        return web.json_response({"0": config})
 
-    app = web.Application()
-    app.router.add_get("/kv_event_sources", sources)
+def port_of(pub: zmq.asyncio.Socket) -> int:
+    return int(pub.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
+
+
+def follower_errors(metrics: Metrics, url: str) -> float:
+    return metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", {"replica": url}) or 0.0
+
+
+async def test_a_replica_without_event_sources_is_retried_until_it_has_them() -> None:
+    """Discovery failures (a 404, then an answer with events off) are counted; the supervisor starts the
+    next attempt, which follows the publisher once /kv_event_sources names it."""
     index, metrics = PreciseIndex(100), Metrics()
-    async with running(app) as url, aiohttp.ClientSession() as session:
-        replica = Replica(url)
-        follower = KvFollower(replica, index, session, metrics, context)
-        task = asyncio.create_task(follower.run())
-        try:
-            await eventually(lambda: bool(follower.health().get("last_error")), "a failure on /healthz")
-            assert follower.health()["following"] is False
-            assert await pub.poll(20_000), "the follower subscribed in the end"
-            assert await pub.recv() == b"\x01kv"
-            assert (
-                metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", {"replica": url})
-                == 2
-            )
-            assert follower.health()["last_batch_s_ago"] is None  # nothing received yet
-            await pub.send_multipart(captured("map_frames.json")[0])
-            await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")
-            health = follower.health()
-            assert (health["following"], health["blocks"], "last_error" in health) == (True, 3, False)
-            assert isinstance(health["last_batch_s_ago"], float)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            context.term()
+    async with publisher() as (context, pub):
+        sources = Sources(
+            port_of(pub),
+            [web.Response(status=404), web.json_response({"0": {"enable_kv_cache_events": False}})],
+        )
+        async with running(sources.app()) as url, aiohttp.ClientSession() as session:
+            follower = KvFollower(Replica(url), index, session, metrics, context)
+            async with Supervisor().run("kv-events:r0", follower.run, period=PERIOD_S, required=False):
+                await eventually(lambda: bool(follower.health().get("last_error")), "a failure on /healthz")
+                assert follower.health()["following"] is False
+                assert await pub.poll(20_000), "the follower subscribed in the end"
+                assert await pub.recv() == b"\x01kv"
+                assert follower_errors(metrics, url) == 2
+                assert follower.health()["last_batch_s_ago"] is None  # nothing received yet
+                await pub.send_multipart(captured("map_frames.json")[0])
+                await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")
+                health = follower.health()
+                assert (health["following"], health["blocks"], "last_error" in health) == (True, 3, False)
+                assert isinstance(health["last_batch_s_ago"], float)
+
+
+async def test_a_follower_whose_publisher_fails_is_restarted_by_the_supervisor_and_counted() -> None:
+    """The replica's event publisher fails (its /kv_event_sources answers 500, five times): each attempt
+    fails, and the supervisor, not the follower, restarts it with its backoff. Every failure is counted
+    (the supervisor's restarts, the follower's own counter) and shown where /healthz shows the background
+    tasks; past the failure limit the task is failing on /healthz but never fails readiness (the
+    predicted index routes meanwhile). Once the publisher is up, the next attempt follows it, and after
+    a period of following the burst is over."""
+    index, metrics = PreciseIndex(100), Metrics()
+    supervisor = Supervisor(failure_limit=1.0)
+    period = 0.3  # failing past the limit within a second, a burst ended in 0.3 s of following
+    async with publisher() as (context, pub):
+        sources = Sources(port_of(pub), [web.Response(status=500, text="publisher failed") for _ in range(5)])
+        async with running(sources.app()) as url, aiohttp.ClientSession() as session:
+            follower = KvFollower(Replica(url), index, session, metrics, context)
+            name = "kv-events:r0"
+            async with supervisor.run(name, follower.run, period=period, required=False) as task:
+                await eventually(
+                    lambda: task.restarts >= 2 and task.failing_for(time.monotonic()) > period,
+                    "restarted, and failing past the limit",
+                )
+                assert (supervisor.failing(), supervisor.failing_tasks()) == ([], []), "never unready"
+                shown = supervisor.health()[name]  # what /healthz's detail view shows under background
+                assert shown["last_error"] == {
+                    "type": "MalformedEvent",
+                    "message": f"{url}/kv_event_sources answered 500",
+                }
+                assert shown["failing_for_s"] is not None
+                assert await pub.poll(20_000), "the next attempt after the failures subscribed"
+                assert await pub.recv() == b"\x01kv"
+                assert supervisor.restart_counts() == {name: 5}
+                assert follower_errors(metrics, url) == 5
+                await pub.send_multipart(captured("map_frames.json")[0])
+                await eventually(lambda: index.blocks(url) == 3, "its events are learned")
+                await eventually(
+                    lambda: supervisor.health()[name]["failing_for_s"] is None, "the burst is over"
+                )
+                assert task.backoff.failures == 0, "the backoff starts over"
+                assert "last_error" not in follower.health()
 
 
 @pytest.mark.parametrize("where", ["another-host", "ipc"])
@@ -305,12 +369,8 @@ async def test_a_replica_that_names_a_publisher_elsewhere_is_never_followed_ther
     where: str, tmp_path: Path
 ) -> None:
     """The replica (127.0.0.1) names a live publisher on 127.0.0.2, or an ``ipc://`` path on kvgate's
-    host: the follower refuses it with a clear ``last_error``, retries, and never subscribes there."""
-    context = zmq.asyncio.Context()
-    pub = context.socket(zmq.XPUB)
-    pub.setsockopt(zmq.LINGER, 0)
+    host: the follower refuses it with a clear ``last_error``, is restarted, and never subscribes there."""
     endpoint = f"tcp://127.0.0.2:{free_port()}" if where == "another-host" else f"ipc://{tmp_path}/pub"
-    pub.bind(endpoint)
 
     async def sources(request: web.Request) -> web.Response:
         return web.json_response(sources_answer(endpoint))
@@ -318,16 +378,18 @@ async def test_a_replica_that_names_a_publisher_elsewhere_is_never_followed_ther
     app = web.Application()
     app.router.add_get("/kv_event_sources", sources)
     metrics = Metrics()
-    async with running(app) as url, aiohttp.ClientSession() as session:
+    async with (
+        publisher(endpoint) as (context, pub),
+        running(app) as url,
+        aiohttp.ClientSession() as session,
+    ):
         follower = KvFollower(Replica(url), PreciseIndex(100), session, metrics, context)
-        task = asyncio.create_task(follower.run())
-
-        def errors() -> float:
-            labels = {"replica": url}
-            return metrics.registry.get_sample_value("kvgate_kv_event_follower_errors_total", labels) or 0.0
-
-        try:
-            await eventually(lambda: errors() >= 2, "refused, and refused again on the retry", within=15)
+        async with Supervisor().run("kv-events:r0", follower.run, period=PERIOD_S, required=False):
+            await eventually(
+                lambda: follower_errors(metrics, url) >= 2,
+                "refused, and refused again on the restart",
+                within=15,
+            )
             health = follower.health()
             assert health["following"] is False
             assert "only tcp:// on the replica's own host (127.0.0.1) is followed" in str(
@@ -335,8 +397,3 @@ async def test_a_replica_that_names_a_publisher_elsewhere_is_never_followed_ther
             )
             assert str(health["last_error"]).startswith(f"MalformedEvent: refused {endpoint[:60]!r}")
             assert not await pub.poll(100), "nothing ever subscribed to the publisher it named"
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            pub.close()
-            context.term()

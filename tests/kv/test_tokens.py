@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from gateway.fleet.tokens import CUT_MARGIN, MAX_CHARS, PromptTokens
+from gateway.kv.prompt_tokens import CUT_MARGIN, MAX_CHARS, PromptTokens
 
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"

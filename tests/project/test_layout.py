@@ -30,12 +30,13 @@ FLOORS = {
     "table": 2,
     "fleet": 3,
     "adapters": 3,
-    "request": 4,
-    "proof": 4,
-    "agent": 4,  # the per-replica sidecar: the object store (adapters) and the replica's answers (fleet)
+    "kv": 4,  # the KV-event path: it follows the fleet's replicas; the request path tokenizes with it
+    "request": 5,
+    "proof": 5,
+    "agent": 5,  # the per-replica sidecar: the object store (adapters) and the replica's answers (fleet)
 }
 WIRING = {"settings", "process", "app", "cli", "dev"}  # on top: they wire the parts together
-TOP = 5
+TOP = 6
 NEVER_UP = (("core", "table", "kv", "fleet"), ("request", "proof", "process", "app", "cli"))
 
 
@@ -107,6 +108,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
         "gateway.table.snapshot": "gateway.cli.main",
         "gateway.fleet.loader": "gateway.process.parent",
         "gateway.kv.index": "gateway.app.keys",
+        "gateway.core.body": "gateway.kv.events",  # core is pure: the scheduler reads kv through a Protocol
+        "gateway.kv.follower": "gateway.request.status_page",
         "gateway.proof.audit": "gateway.request.proxy",
         "gateway.tasks.supervisor": "gateway.table.keys",
         "gateway.request.proxy": "gateway.settings.model",
@@ -114,6 +117,7 @@ def test_the_rules_catch_what_they_forbid() -> None:
     for module, imported in forbidden.items():
         assert import_problems(module, [imported]), f"{module} may not import {imported}"
     assert import_problems("gateway.cli.main", ["gateway.process.parent", "gateway.core.errors"]) == []
+    assert import_problems("gateway.request.proxy", ["gateway.kv.prompt_tokens"]) == [], "kv is below request"
     assert stray_modules(["__init__.py", "healthcheck.py", "serving.py", "lua"]) == ["serving.py"]
 
 
@@ -147,7 +151,6 @@ def test_tests_mirror_the_parts() -> None:
     parts = {p.name for p in GATEWAY.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     # not parts of gateway/: named for what they hold
     scenario_folders = {"support", "vllm", "deploy", "project"}
-    parts |= {"kv"}  # the KV-event path moves to gateway/kv/ (issue 27, item 3): this line goes with it
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders <= parts | scenario_folders, sorted(folders - parts - scenario_folders)
     assert not list((tests / "support").glob("test_*.py")), "support holds no tests"

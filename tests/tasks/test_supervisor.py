@@ -356,3 +356,38 @@ async def test_a_loop_that_keeps_failing_beside_a_fast_sibling_counts_as_failing
     assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
     unready = [r for r in caplog.records if "/healthz answers 503" in r.getMessage()]
     assert len(unready) <= 1
+
+
+async def test_a_task_that_is_not_required_is_restarted_and_shown_but_never_fails_readiness(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two tasks keep failing; the one that is not ``required`` (a replica's KV events) is restarted
+    with the same backoff and shown failing on /healthz, but only the required one fails readiness. Its
+    ``expected`` failure is logged in one line; the other's with its traceback."""
+    supervisor = Supervisor(failure_limit=1.0)
+
+    async def fails() -> None:
+        raise RuntimeError("its replica is down")
+
+    async with (
+        supervisor.run("optional", fails, period=0.1, required=False, expected=(RuntimeError,)) as optional,
+        supervisor.run("needed", fails, period=0.1),
+    ):
+        await eventually(
+            lambda: supervisor.failing_tasks() == ["needed"], "the required task fails readiness"
+        )
+        await eventually(
+            lambda: optional.restarts >= 2 and optional.failing_for(time.monotonic()) > 0.1,
+            "restarted again, and failing past its limit too",
+        )
+        assert supervisor.failing_tasks() == ["needed"]
+        assert [reason.split(" has been")[0] for reason in supervisor.failing()] == ["background task needed"]
+        shown = supervisor.health()["optional"]
+        assert shown["failing_for_s"] is not None
+        assert shown["last_error"] == {"type": "RuntimeError", "message": "its replica is down"}
+    logged = {
+        r.getMessage().split()[2]: r.exc_info is not None
+        for r in caplog.records
+        if "failed," in r.getMessage()
+    }
+    assert logged == {"optional": False, "needed": True}

@@ -25,7 +25,7 @@ from gateway.core.wire import (
     VERSION_HEADER,
 )
 from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec
-from gateway.fleet.tokens import PromptTokens
+from gateway.kv.prompt_tokens import PromptTokens
 from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis

@@ -10,8 +10,8 @@ A frame that is not such a message raises ``MalformedEvent``; an event inside a 
 decode is counted in ``Batch.malformed`` and skipped, never stopping the rest of the batch. Unknown event
 types (a newer vLLM) are counted in ``Batch.unknown`` and skipped. Block hashes are opaque: 64-bit ints by
 default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), bytes otherwise. Token ids are ints in ``0 .. 2^63 - 1``
-(``is_token_id``: kvgate keys blocks by their tokens as signed 64-bit ints); an event with any other is
-malformed.
+(``core.model.is_token_id``: kvgate keys blocks by their tokens as signed 64-bit ints); an event with any
+other is malformed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from gateway.core.errors import MalformedEvent
+from gateway.core.model import TOKEN_ID_END, is_token_id
 
 BlockHash = int | bytes
 ExtraKeys = tuple[object, ...] | None
@@ -46,7 +47,6 @@ STORED_FIELDS = (
 )
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 SEQUENCE_BYTES = 8
-TOKEN_ID_END = 1 << 63  # token ids are below this, and not negative: ``kv_index.block_keys`` packs int64s
 _MAX_PAYLOAD = 64 << 20  # a batch larger than this is not vLLM's
 
 
@@ -219,11 +219,6 @@ def _opt_int(fields: Mapping[str, Any], name: str) -> int | None:
     if value is not None and not _is_int(value):
         raise MalformedEvent(f"{name} is an int or None")
     return value
-
-
-def is_token_id(value: object) -> bool:
-    """An int in ``0 .. 2^63 - 1``: a token id kvgate can key (a client may send any int; vLLM does not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < TOKEN_ID_END
 
 
 def _is_int(value: object) -> bool:

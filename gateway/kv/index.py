@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from blake3 import blake3
 
-from gateway.core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from gateway.kv.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 KEY_BYTES = 16
 MAX_BLOCKS = 2048  # bounds the hashing work per request (256K tokens at vLLM's CPU block size)
@@ -167,6 +167,22 @@ class PreciseIndex:
                 break
             count += 1
         return count
+
+    def held_blocks(self, namespace: Namespace, tokens: Sequence[int]) -> Callable[[str], int]:
+        """For one request, how many leading blocks of ``tokens`` (keyed in ``namespace``, the one its
+        blocks will have) each replica holds by its events: the precise scorer's input. The keys are
+        made once per block size, and only when a replica with a view is asked."""
+        keys: dict[int, list[bytes]] = {}
+
+        def held(replica: str) -> int:
+            size = self.block_size(replica)
+            if size is None:
+                return 0
+            if size not in keys:
+                keys[size] = block_keys(namespace, tokens, size)
+            return self.matched(keys[size], replica)
+
+        return held
 
     def clear(self, replica: str) -> None:
         """Empty one replica's view: it restarted, cleared its cache, was purged, or events were lost."""

@@ -1,17 +1,21 @@
 """Follow each replica's KV cache events (vLLM ``--kv-events-config``, ZMQ + msgpack) into the precise index.
 
-One ``KvFollower`` per replica, each a plain ``run()`` loop: it finds the replica's publisher from
-``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the replica's own host; an endpoint
-on any other host, or not ``tcp://``, is refused and never connected; an explicit endpoint in the settings
-overrides it and may be anywhere), subscribes, and applies each batch to that replica's view
-(``core.kv_index``). Messages are decoded one at a time at the boundary (``core.kv_events``): a malformed
-one is counted and skipped. Sequence numbers are checked: a gap is repaired through vLLM's replay socket
-when there is one, else the replica's view is emptied and re-learned from what follows; a sequence that
-goes back means the publisher restarted (the view is emptied too). The view is also emptied when kvgate
+One ``KvFollower`` per replica, each a supervised task (``kv-events:<replica id>``): each ``run()`` is one
+attempt, and the supervisor restarts a failed one with its backoff (``tasks.supervisor``). It finds the
+replica's publisher from ``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the
+replica's own host; an endpoint on any other host, or not ``tcp://``, is refused and never connected; an
+explicit endpoint in the settings overrides it and may be anywhere), subscribes, and applies each batch to
+that replica's view (``kv.index``). Messages are decoded one at a time at the boundary (``kv.events``): a
+malformed one is counted and skipped. Sequence numbers are checked: a gap is repaired through vLLM's replay
+socket when there is one, else the replica's view is emptied and re-learned from what follows; a sequence
+that goes back means the publisher restarted (the view is emptied too). The view is also emptied when kvgate
 sees the replica restart (its ``incarnation`` moves), when the follower loses the stream, and when kvgate
-purges the replica's cache itself (``cleared``): vLLM reports ``AllBlocksCleared`` only with the next
-engine step, so a purge must not wait for it. Any other failure is logged and counted; the loop pauses
-and starts over. Meanwhile the predicted index routes.
+purges the replica's cache itself (``cleared``): vLLM reports ``AllBlocksCleared`` only with the next engine
+step, so a purge must not wait for it. Any other failure ends the attempt: counted per replica
+(``kvgate_kv_event_follower_errors_total``, ``last_error``), and by the supervisor, which logs it, shows it
+on ``/healthz`` (``background``) and starts the next attempt (discovery again, a fresh subscription) after
+its backoff. A follower that keeps failing never fails readiness: meanwhile the predicted index routes that
+replica.
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from gateway.core.errors import MalformedEvent
-from gateway.core.kv_events import Batch, decode_message, sequence
-from gateway.core.kv_index import PreciseIndex
+from gateway.core.errors import KvgateError, MalformedEvent
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import answers
 from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
-from gateway.fleet.tokens import PromptTokens
+from gateway.kv.events import Batch, decode_message, sequence
+from gateway.kv.index import PreciseIndex
+from gateway.kv.prompt_tokens import PromptTokens
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
@@ -47,8 +51,8 @@ log = logging.getLogger(__name__)
 SOURCES_PATH = "/kv_event_sources"
 POLL_MS = 500  # how often the loop looks up from the socket (a replica restart, a cancellation)
 REPLAY_TIMEOUT_S = 2.0
-RETRY_S = 2.0  # the first pause after a failure; it doubles while failures repeat, up to MAX_RETRY_S
-MAX_RETRY_S = 30.0
+REPLICA_ERRORS = (KvgateError, aiohttp.ClientError, OSError)  # a replica's fault: logged without a traceback
+PERIOD_S = 30.0  # the supervisor's period: an attempt that lasts this long works; restarts wait at most this
 _END_SEQ = -1
 
 
@@ -135,7 +139,6 @@ class KvFollower:
         self.expected: int | None = None  # the next sequence number; None until a batch arrived
         self.incarnation = replica.incarnation
         self.connected = False
-        self.retry = RETRY_S
         self.last_batch: float | None = None  # monotonic time of the last batch applied
         self.last_error = ""
 
@@ -157,21 +160,21 @@ class KvFollower:
         self.metrics.kv_view_resets.labels(self.replica.url, reason).inc()
 
     async def run(self) -> None:
-        """Follow the replica's events until cancelled; a failure empties its view and starts over."""
-        while True:
-            try:
-                await self._follow()
-            except Exception as exc:  # any failure of one replica's stream: counted, the loop goes on
-                raise_if_cancelling(exc)
-                log.warning("KV events of %s: %s (retrying in %.0f s)", self.replica.url, exc, self.retry)
-                self.last_error = f"{type(exc).__name__}: {exc}"[:200]
-                self.metrics.kv_event_errors.labels(self.replica.url).inc()
+        """One attempt: find the publisher, subscribe, follow until cancelled. A failure is recorded
+        (counted, ``last_error``), empties the view (events may have been missed meanwhile) and is raised
+        for the supervisor, which starts the next attempt."""
+        try:
+            await self._follow()
+        except Exception as exc:  # a cancellation (BaseException) just ends the attempt
+            raise_if_cancelling(exc)
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            self.metrics.kv_event_errors.labels(self.replica.url).inc()
             if self.connected:
                 self.cleared("stream lost")
+            raise
+        finally:
             self.connected = False
             self.expected = None
-            await asyncio.sleep(self.retry)
-            self.retry = min(self.retry * 2, MAX_RETRY_S)
 
     async def _follow(self) -> None:
         self.endpoints = self.configured or await self._discover()
@@ -236,7 +239,6 @@ class KvFollower:
         self.index.apply(url, batch.events)
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
         self.expected = batch.seq + 1
-        self.retry = RETRY_S
         self.last_batch, self.last_error = time.monotonic(), ""
 
     async def _replay(self, start: int, stop: int) -> bool:
@@ -315,8 +317,9 @@ async def follow_events(
     supervisor: Supervisor,
 ) -> AsyncIterator[dict[str, KvFollower]]:
     """One follower per replica, each a supervised background task (``kv-events:<replica id>``: task
-    names are on anonymous /healthz, a URL never is) while the block runs (none when ``kv_events`` is
-    off); a purge kvgate makes (purge-all) empties that replica's view at once."""
+    names are on anonymous /healthz, a URL never is; not required: a replica's events failing never
+    fails readiness) while the block runs (none when ``kv_events`` is off); a purge kvgate makes
+    (purge-all) empties that replica's view at once."""
     if index is None:
         yield {}
         return
@@ -333,7 +336,10 @@ async def follow_events(
     try:
         async with contextlib.AsyncExitStack() as stack:
             for url, follower in followers.items():
-                task = supervisor.run(f"kv-events:{replica_id(url)}", follower.run, period=MAX_RETRY_S)
+                task = supervisor.run(
+                    f"kv-events:{replica_id(url)}", follower.run,
+                    period=PERIOD_S, required=False, expected=REPLICA_ERRORS,
+                )  # fmt: skip
                 await stack.enter_async_context(task)
             yield followers
     finally:
