@@ -57,7 +57,7 @@ def digest(logical_id: str, version: int) -> str:
 
 async def populate(table: EpochTable, ids: int, batch: int = 2_000) -> None:
     """IDS logical IDs, each published VERSIONS times (epoch 3, three versions), with the real script."""
-    script = table.scripts["publish_version"]
+    script = table.scripts.registered["publish_version"]
     await table.redis.script_load(script.script)
     await table.ensure_generation()
     names = [f"tenant-{i:07d}" for i in range(ids)]
