@@ -268,13 +268,18 @@ class Scripts:
         """DIGEST (versioned NAME, stored at PATH, built for BASE) becomes LOGICAL_ID's current version; the
         ID is indexed first (on a Cluster ``kvg:{epochs}:ids`` may live on another server)."""
         await self._acked(("SADD", keys.IDS, logical_id), keys.IDS, f"adding {logical_id!r} to {keys.IDS}")
-        code, epoch = await self.run_acked(
-            "publish_version",
-            _table_keys(logical_id),
-            [logical_id, digest, name, path, base, now, self.log_kept, keys.HISTORY_KEPT, base_print],
-        )
+        _, keys_, args = self.publish_version_call(logical_id, digest, name, path, base, base_print, now=now)
+        code, epoch = await self.run_acked("publish_version", keys_, args)
         changed = raise_for(code, logical_id, digest, base) is Code.CHANGED
         return Change(changed=changed, epoch=int(epoch), digest=digest)
+
+    def publish_version_call(
+        self, logical_id: str, digest: str, name: str, path: str, base: str, base_print: str, *, now: int
+    ) -> tuple[AsyncScript, list[str], list[str | int]]:
+        """The script, keys and arguments of ``publish_version``, for a caller that pipelines thousands
+        (loadtest/scale.py fills a table so; it indexes the IDs itself)."""
+        args: list[str | int] = [logical_id, digest, name, path, base, now, self.log_kept, keys.HISTORY_KEPT]
+        return self.registered["publish_version"], _table_keys(logical_id), [*args, base_print]
 
     async def rollback_version(self, logical_id: str, digest: str, base: str, *, now: int) -> Change:
         """Back to DIGEST (or a unique prefix; '' for the previous version) among BASE's versions."""
