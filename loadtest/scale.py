@@ -57,8 +57,6 @@ def digest(logical_id: str, version: int) -> str:
 
 async def populate(table: EpochTable, ids: int, batch: int = 2_000) -> None:
     """IDS logical IDs, each published VERSIONS times (epoch 3, three versions), with the real script."""
-    script = table.scripts["publish_version"]
-    await table.redis.script_load(script.script)
     await table.ensure_generation()
     names = [f"tenant-{i:07d}" for i in range(ids)]
     for start in range(0, ids, batch):
@@ -68,11 +66,11 @@ async def populate(table: EpochTable, ids: int, batch: int = 2_000) -> None:
             for version in range(VERSIONS):
                 for logical_id in chunk:
                     d = digest(logical_id, version)
-                    table_keys = [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id)]
-                    table_keys += [keys.LOG, keys.ROWS, keys.CHECK]
-                    args: list[str | int] = [logical_id, d, f"{logical_id}@{d[:16]}", f"/store/{d}", "base"]
-                    args.append(table.clock())
-                    pipe.evalsha(script.sha, len(table_keys), *table_keys, *args, keys.LOG_KEPT, 100)
+                    script, table_keys, args = table.scripts.publish_version_call(
+                        logical_id, d, f"{logical_id}@{d[:16]}", f"/store/{d}", "base", "", now=table.clock()
+                    )
+                    pipe.evalsha(script.sha, len(table_keys), *table_keys, *args)
+            await table.redis.script_load(script.script)  # EVALSHA in a pipeline: the script loaded first
             await pipe.execute()
 
 

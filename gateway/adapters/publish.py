@@ -20,9 +20,9 @@ from gateway.adapters.store import AdapterStore, Progress, StoredArtifact
 from gateway.core.base_print import current as current_scheme
 from gateway.core.base_print import prints_match
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
-from gateway.core.model import Change
+from gateway.core.model import Change, RolloutChange
 from gateway.table.epoch_table import EpochTable
-from gateway.table.rollouts import RolloutChange, start_rollout
+from gateway.table.rollouts import start_rollout
 
 T = TypeVar("T")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.core.atomic_file import fsync_directory
 from gateway.core.errors import InvalidAdapter
 from gateway.core.identity import (
     ADAPTER_CONFIG,
@@ -85,14 +86,14 @@ class AdapterStore:
             final = self.path_for(digest)
             if _touched(final):  # published again: young for `kvgate gc` (gateway/adapters/gc.py)
                 return StoredArtifact(digest, final, created=False)
-            _fsync_dir(staging)
+            fsync_directory(staging)
             try:
                 os.rename(staging, final)
             except OSError:
                 if _touched(final):  # a concurrent publish of the same bytes won the rename
                     return StoredArtifact(digest, final, created=False)
                 raise
-            _fsync_dir(self.root)
+            fsync_directory(self.root)
             return StoredArtifact(digest, final, created=True)
         finally:
             if staging.exists():
@@ -103,7 +104,7 @@ class AdapterStore:
         if not artifact.created:
             raise ValueError(f"{artifact.path} was not created by this ingest: it is not ours to remove")
         shutil.rmtree(artifact.path)
-        _fsync_dir(self.root)
+        fsync_directory(self.root)
 
 
 def _copy_manifest(
@@ -137,11 +138,3 @@ def _touched(path: Path) -> bool:
     except PermissionError:  # another user's directory: it stays as old as it was
         pass
     return path.is_dir()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

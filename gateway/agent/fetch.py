@@ -42,6 +42,7 @@ from obstore.exceptions import BaseError
 from gateway.adapters.manifest import BadManifest, FileEntry, parse
 from gateway.adapters.objclient import Client, describe
 from gateway.adapters.store import DIR_MODE, FILE_MODE, INCOMING_PREFIX
+from gateway.core.atomic_file import fsync_directory, write_atomically
 from gateway.core.errors import StoreUnavailable
 from gateway.core.identity import check_digest
 
@@ -274,17 +275,15 @@ def _publish(staging: Path, final: Path, stamp: Path) -> None:
     FINAL's STAMP (its entries as they are now, after every chmod and the rename)."""
     for directory in {staging, *(p.parent for p in staging.rglob("*"))}:
         os.chmod(directory, DIR_MODE)
-    _fsync(staging)
+    fsync_directory(staging)
     try:
         os.rename(staging, final)
     except OSError:
         if not final.is_dir():  # another agent on this volume renamed the same verified bytes first
             raise
-    _fsync(final.parent)
+    fsync_directory(final.parent)
     stamp.parent.mkdir(exist_ok=True)
-    fresh = stamp.with_suffix(f".{os.getpid()}.tmp")
-    fresh.write_text(json.dumps(_entries(final), sort_keys=True))
-    os.replace(fresh, stamp)
+    write_atomically(stamp, json.dumps(_entries(final), sort_keys=True).encode())
 
 
 def _entries(root: Path) -> dict[str, list[int]]:
@@ -295,11 +294,3 @@ def _entries(root: Path) -> dict[str, list[int]]:
         name = path.relative_to(root).as_posix()
         found[name] = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     return found
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

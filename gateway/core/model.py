@@ -79,6 +79,15 @@ class Change:
 
 
 @dataclass(frozen=True, slots=True)
+class RolloutChange:
+    """What starting a rollout or changing its weight did (``table.rollouts``)."""
+
+    changed: bool
+    epoch: int  # the current version's epoch (the candidate runs in epoch + 1)
+    weight: int  # basis points
+
+
+@dataclass(frozen=True, slots=True)
 class Target:
     """The effective model a request meets: a published version, or the base model (version None)."""
 

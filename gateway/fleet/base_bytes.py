@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from pathlib import Path
 
 from blake3 import blake3
+
+from gateway.core.atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,8 @@ class BaseBytes:
         self._dirty = False
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")  # workers share it
-            partial.write_text(json.dumps(self._cache, sort_keys=True))
-            os.replace(partial, self.cache_path)
+            doc = json.dumps(self._cache, sort_keys=True).encode()
+            write_atomically(self.cache_path, doc)  # workers share it: each its own temporary file
         except OSError as exc:
             log.warning("could not write the base digest cache %s: %s", self.cache_path, exc)
 

@@ -41,6 +41,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.core.atomic_file import write_atomically
 from gateway.request.health import Health, Views, add_tasks
 from gateway.tasks.supervisor import Supervisor, periodically
 from gateway.telemetry.merge import counters_only, merge_pages
@@ -171,10 +172,9 @@ class Siblings:
 
     def write(self, own: bytes) -> bytes:
         """``page(own)`` written to this slot's file (whole: a reader never sees half of one); returned."""
-        page, path = self.page(own), page_path(self.data_dir, self.slot)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_bytes(page)
-        os.replace(temporary, path)
+        page = self.page(own)
+        # not fsynced: written on the event loop every second, read only by running workers
+        write_atomically(page_path(self.data_dir, self.slot), page, durable=False)
         return page
 
     def _me(self) -> dict[str, Any]:

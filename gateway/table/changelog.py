@@ -170,10 +170,8 @@ class ChangeLog:
         """The table's check; ``EpochTableError`` when Redis refuses it for any other reason than refusing
         every write: the snapshot cannot be checked (nor the scrub run), which must not pass for a pause."""
         try:
-            generation, checksum, last = await self.table.run(
-                "heartbeat",
-                [keys.GENERATION, keys.CHECK, keys.IDS, keys.ROWS, keys.LOG],
-                [self.table.clock(), scrub_every_ms, self.scrub_page, self.table.log_kept, keys.STATE_PREFIX],
+            generation, checksum, last = await self.table.scripts.heartbeat(
+                now=self.table.clock(), scrub_every_ms=scrub_every_ms, scrub_page=self.scrub_page
             )
         except (redis.exceptions.ResponseError, ScriptRefused) as exc:  # the script's own refusal too
             if isinstance(exc, redis.exceptions.ResponseError) and _refuses_every_write(exc):
@@ -182,14 +180,7 @@ class ChangeLog:
                 f"Redis refuses the table's heartbeat, so this snapshot cannot be checked against the table: "
                 f"{str(exc).strip()[:200]}"
             ) from exc
-        try:
-            total = int(checksum)
-        except ValueError:
-            raise MalformedRow(
-                f"the table check's sum ({keys.CHECK}) is {as_text(checksum)[:40]!r}, not a whole number: "
-                "this snapshot cannot be checked against the table (a write that bypassed the scripts)"
-            ) from None
-        return Beat(as_text(generation), total, as_text(last))
+        return Beat(generation, checksum, last)
 
 
 def _refuses_every_write(exc: redis.exceptions.ResponseError) -> bool:

@@ -10,11 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core.errors import EpochTableError
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.replies import as_text
-from gateway.table.scripts import codes
 
 _DIGEST_LENGTH = 64
 
@@ -63,9 +61,4 @@ async def read_versions(table: EpochTable, logical_id: str) -> list[VersionRecor
 async def forget_version(table: EpochTable, logical_id: str, digest: str) -> bool:
     """Drop DIGEST's version records under LOGICAL_ID (``lua/forget_version.lua``); False, and nothing
     dropped, when DIGEST is its current version."""
-    code, _ = await table.run("forget_version", [keys.state(logical_id), keys.versions(logical_id)], [digest])
-    if int(code) == codes()["CURRENT"]:
-        return False
-    if int(code) != codes()["CHANGED"]:
-        raise EpochTableError(f"forget_version returned unknown code {code}")
-    return True
+    return await table.scripts.forget_version(logical_id, digest)

@@ -19,7 +19,7 @@ from typing import Any
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.replies import as_text
-from gateway.table.scripts import codes
+from gateway.table.scripts import Code
 
 log = logging.getLogger(__name__)
 
@@ -49,38 +49,30 @@ class LeaseTable:
 
     async def acquire(self, replica: str, name: str) -> bool:
         """Lease ``name`` on ``replica``; False while it is being unloaded."""
-        code = await self.table.run(
-            "acquire_lease", [keys.leases(replica)], [name, self.gateway_id, self.table.clock(), self.ttl_ms]
+        return await self.table.scripts.acquire_lease(
+            replica, name, self.gateway_id, now=self.table.clock(), ttl_ms=self.ttl_ms
         )
-        return int(code) == codes()["CHANGED"]
 
     async def refresh(self, replica: str, used: dict[str, int], keep: set[str], *, since: int) -> None:
         """Share the last use of each name in ``used`` (wall-clock ms) on ``replica``, keep the leases
         of the names in ``keep`` alive, and drop this gateway's other leases there written before
         ``since`` (ms)."""
-        triples = [part for name, at in sorted(used.items()) for part in (name, at, int(name in keep))]
-        await self.table.run(
-            "refresh_leases",
-            [keys.leases(replica), keys.last_use(replica)],
-            [self.gateway_id, self.table.clock(), self.ttl_ms, since, len(used), *triples],
+        await self.table.scripts.refresh_leases(
+            replica, self.gateway_id, used, keep, now=self.table.clock(), ttl_ms=self.ttl_ms, since=since
         )
 
     def now_ms(self) -> int:
         return self.table.clock()
 
     async def begin_unload(self, replica: str, name: str, *, force: bool, claim_ms: int) -> UnloadClaim:
-        code, live = await self.table.run(
-            "begin_unload",
-            [keys.leases(replica)],
-            [name, self.table.clock(), claim_ms, int(force), self.gateway_id],
+        code, live = await self.table.scripts.begin_unload(
+            replica, name, self.gateway_id, now=self.table.clock(), claim_ms=claim_ms, force=force
         )
-        reason = {codes()["CHANGED"]: "claimed", codes()["LEASED"]: "leased"}.get(int(code), "unloading")
-        return UnloadClaim(reason == "claimed", int(live), reason)
+        reason = {Code.CHANGED: "claimed", Code.LEASED: "leased"}.get(code, "unloading")
+        return UnloadClaim(reason == "claimed", live, reason)
 
     async def end_unload(self, replica: str, name: str, *, unloaded: bool) -> None:
-        await self.table.run(
-            "end_unload", [keys.leases(replica), keys.last_use(replica)], [name, int(unloaded)]
-        )
+        await self.table.scripts.end_unload(replica, name, unloaded=unloaded)
 
     async def shared_last_use(self, replica: str, names: list[str]) -> dict[str, int]:
         """Versioned name -> the newest use (wall-clock ms) any gateway reported on ``replica``, for

@@ -3,28 +3,17 @@
 One Lua script per operation (``lua/rollout_version.lua``: start or change the weight;
 ``lua/promote_candidate.lua``; ``lua/abort_rollout.lua``), each logged in the change log like a publish,
 so every kvgate's snapshot has the candidate as soon as it has the entry, and each waits for a Redis
-replica's acknowledgement like publish (``EpochTable.run_acked``). Weights are basis points
+replica's acknowledgement like publish (``Scripts.run_acked``). Weights are basis points
 (``core.model.WEIGHT_FULL``); ``weight_of`` turns an operator's percent into one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from gateway.core.errors import BadRequest
-from gateway.core.model import WEIGHT_FULL, Change
-from gateway.table import keys
-from gateway.table.epoch_table import LOGGED, EpochTable, raise_for
-from gateway.table.replies import as_text
-from gateway.table.scripts import codes
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutChange:
-    changed: bool
-    epoch: int  # the current version's epoch (the candidate runs in epoch + 1)
-    weight: int  # basis points
+from gateway.core.model import WEIGHT_FULL, Change, RolloutChange
+from gateway.table.epoch_table import EpochTable
 
 
 def weight_of(percent: float) -> int:
@@ -67,35 +56,18 @@ async def _rollout(
 ) -> RolloutChange:
     digest, name, path, base = version
     with table.tracer.start_as_current_span("kvgate.rollout"):
-        code, epoch, now_weight = await table.run_acked(
-            "rollout_version",
-            [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED],
-            [logical_id, digest, name, path, base, table.clock(), table.log_kept, keys.HISTORY_KEPT,
-             base_print, weight],
-        )  # fmt: skip
-    raise_for(int(code), logical_id, digest, base)
-    return RolloutChange(int(code) == codes()["CHANGED"], int(epoch), int(now_weight))
+        return await table.scripts.rollout_version(
+            logical_id, digest, name, path, base, base_print, weight, now=table.clock()
+        )
 
 
 async def promote(table: EpochTable, logical_id: str, digest: str = "") -> Change:
     """The candidate (DIGEST or a prefix of it, when given) becomes current under a new epoch."""
     with table.tracer.start_as_current_span("kvgate.promote"):
-        code, epoch, promoted = await table.run_acked(
-            "promote_candidate",
-            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
-            [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest],
-        )
-    raise_for(int(code), logical_id, digest)
-    return Change(changed=True, epoch=int(epoch), digest=as_text(promoted))
+        return await table.scripts.promote_candidate(logical_id, digest, now=table.clock())
 
 
 async def abort(table: EpochTable, logical_id: str, reason: str, digest: str = "") -> Change:
     """Drop the candidate (DIGEST or a prefix of it, when given); REASON goes into the history."""
     with table.tracer.start_as_current_span("kvgate.abort"):
-        code, epoch, aborted = await table.run_acked(
-            "abort_rollout",
-            [keys.state(logical_id), keys.history(logical_id), *LOGGED],
-            [logical_id, table.clock(), table.log_kept, keys.HISTORY_KEPT, digest, reason],
-        )
-    raise_for(int(code), logical_id, digest)
-    return Change(changed=True, epoch=int(epoch), digest=as_text(aborted))
+        return await table.scripts.abort_rollout(logical_id, digest, reason, now=table.clock())

@@ -11,8 +11,8 @@ or of another format version (``foreign``) is never trusted: it is counted
 (``kvgate_snapshot_file_total{outcome}``), logged and ignored, and the start reads the table in full.
 
 Writing is atomic for any number of writers sharing one data dir (``kvgate serve --workers``): each
-writes a temporary file of its own in the same directory (its pid and a random suffix), flushes it to
-disk, then ``os.replace``s it over the file. A reader sees a whole file, old or new, never a partial one;
+writes a temporary file of its own in the same directory, flushes it to disk, then renames it over the
+file (``core.atomic_file.write_atomically``). A reader sees a whole file, old or new, never a partial one;
 of two writers the last rename wins, and either file is valid at the position it names.
 """
 
@@ -26,8 +26,6 @@ import functools
 import gc
 import hashlib
 import logging
-import os
-import secrets
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any
 
 import msgpack
 
+from gateway.core.atomic_file import write_atomically
 from gateway.core.errors import EpochTableError
 from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
 from gateway.telemetry.metrics import Metrics
@@ -227,22 +226,7 @@ class SnapshotFile:
         self.count("written")
 
     def write(self, data: bytes) -> None:
-        """DATA as the file, atomically (a temporary file of this writer's own, flushed, then renamed)."""
+        """DATA as the file, atomically (``core.atomic_file``: a temporary file of this writer's own, fsynced,
+        then renamed)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            with open(temporary, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
-            raise
-        with contextlib.suppress(OSError):  # the rename itself on disk (not every filesystem allows it)
-            directory = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+        write_atomically(self.path, data)

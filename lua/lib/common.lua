@@ -3,8 +3,8 @@ common: what every epoch-table script shares. It is not an operation of its own:
 each lua/*.lua when it registers the script, and `kvgate script NAME` prints the same assembled text
 for operators (redis-cli --eval). Everything here is `local`: Redis scripts may not create globals.
 
-CODE is the one table of status codes. The Python wrapper reads it from this file
-(gateway/table/epoch_table.py) to map codes to exceptions, so a code is written down only here.
+CODE is the one table of status codes. gateway/table/scripts.py's Code is the same table in Python (a test
+reads this one and checks the two agree) and maps each code to its exception there.
 ]]
 local CODE = {
   CHANGED = 1,             -- the write happened (and was logged)
@@ -27,7 +27,7 @@ Whole or absent. Redis does not undo a script's writes when one of its commands 
 reads and checks, before its first write, everything that could make one of its commands fail: each key's
 type, each number it counts on (HINCRBY), the change log's last id (no XADD goes past it). What is odd (a
 direct write with redis-cli, a bug elsewhere) refuses the call: the reply is {CODE.MALFORMED, why}, whatever
-the script answers otherwise, and nothing is written (gateway/table/epoch_table.py raises ScriptRefused
+the script answers otherwise, and nothing is written (gateway/table/scripts.py raises ScriptRefused
 with WHY). Writes that cannot fail once these checks pass (HSET, HDEL, LPUSH, LTRIM, PUBLISH) need no order;
 a script that runs out of memory fails at its first write (Redis checks maxmemory there only).
 ]]

@@ -69,7 +69,7 @@ async def one_id_per_master(nodes: ClusterNodes) -> list[str]:
 async def test_the_epoch_table_on_a_cluster_and_one_slot_per_script(
     make_adapter: MakeAdapter, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.table.epoch_table")
+    caplog.set_level(logging.WARNING, logger="gateway.table.scripts")
     store = AdapterStore(tmp_path / "store")
     async with redis_cluster(tmp_path / "redis") as nodes, connect(nodes.url) as cluster:
         tenants = await one_id_per_master(nodes)
@@ -101,7 +101,7 @@ async def test_the_epoch_table_on_a_cluster_and_one_slot_per_script(
                     ]  # fmt: skip
                     assert not await forget_version(table, tenant, v1.digest)  # current: refused
                     assert await forget_version(table, tenant, v2.digest)  # what gc does before deleting
-                waits = [r for r in caplog.records if r.name == "gateway.table.epoch_table"]
+                waits = [r for r in caplog.records if r.name == "gateway.table.scripts"]
                 assert not waits, "the replica acknowledged every change in time"
                 assert await replica_reads(nodes.replica, "HGET", keys.state(tenants[0]), "epoch") == b"4"
 
@@ -128,7 +128,7 @@ async def test_the_epoch_table_on_a_cluster_and_one_slot_per_script(
         assert all(f"{tenant} " in status for tenant in tenants)
 
         runs = {command[1] for command in seen}
-        assert runs == {table.scripts[name].sha for name in operation_names()}, "every script ran"
+        assert runs == {table.scripts.registered[name].sha for name in operation_names()}, "every script ran"
         for command in seen:
             declared = command[3 : 3 + int(command[2])]
             slots = set(await slots_of(nodes, declared))
@@ -198,7 +198,7 @@ async def a_paused_replica_is_reported(
     nodes.replica.pause()
     try:
         await hasty.bump(tenants[0])
-        (warning,) = [record for record in caplog.records if record.name == "gateway.table.epoch_table"]
+        (warning,) = [record for record in caplog.records if record.name == "gateway.table.scripts"]
         assert (
             f"bump_epoch on {keys.state(tenants[0])}: no Redis replica acknowledged" in warning.getMessage()
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -14,9 +15,10 @@ from redis.asyncio import Redis
 from gateway.cli import main as cli
 from gateway.core.errors import BadRequest, EpochTableError, KvgateError, ModelNotFound, VersionNotFound
 from gateway.table import keys
-from gateway.table.epoch_table import EpochTable, _raise_for
+from gateway.table.epoch_table import EpochTable
 from gateway.table.scripts import (
     LIB,
+    Code,
     assemble_script,
     codes,
     lib_source,
@@ -24,6 +26,7 @@ from gateway.table.scripts import (
     operation_names,
     parse_codes,
 )
+from gateway.table.scripts import raise_for as _raise_for
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 BASE = "base"
@@ -43,10 +46,10 @@ async def publish(table: EpochTable, digest: str, base: str = BASE) -> tuple[boo
 def test_every_lua_file_is_registered(redis: Redis) -> None:
     table = EpochTable(redis)
     on_disk = {p.stem for p in Path(str(lua_dir())).glob("*.lua")}
-    assert on_disk == set(table.scripts)
+    assert on_disk == set(table.scripts.registered)
     assert {"publish_version", "rollback_version", "bump_epoch", "record_loaded"} <= on_disk
     assert Path(str(lua_dir()), *LIB).is_file(), "the lib is a file of its own, not an operation"
-    for name, script in table.scripts.items():
+    for name, script in table.scripts.registered.items():
         assert script.script == assemble_script(name)
         assert lib_source() in str(script.script), f"{name} runs without the lib"
 
@@ -69,10 +72,26 @@ def _operation_body(path: Path) -> str:
     return path.read_text().split("]]", 1)[1]
 
 
+def test_no_module_but_the_scripts_module_names_a_script() -> None:
+    """Every caller goes through ``Scripts``' typed methods: no other gateway module holds a script's name
+    as a string (``kvgate script NAME`` takes its NAME from ``operation_names``)."""
+    gateway, names = Path(__file__).resolve().parents[2] / "gateway", set(operation_names())
+    named = [
+        f"{path.relative_to(gateway)}:{node.lineno} {node.value!r}"
+        for path in sorted(gateway.rglob("*.py"))
+        if path != gateway / "table" / "scripts.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
+    assert named == []
+
+
 def test_codes_are_written_once_in_the_lib() -> None:
-    """The CODE table is the lib's; Python reads it; no operation returns or compares a literal code."""
+    """The CODE table is the lib's; Python's ``Code`` is the same table; no operation returns or compares a
+    literal code."""
     lib = lib_source()
     assert codes() == parse_codes(lib)
+    assert {code.name: code.value for code in Code} == dict(codes()), "Code and lua/lib/common.lua differ"
     assert set(codes()) == {"CHANGED", "UNCHANGED", "NO_CURRENT_VERSION", "NO_SUCH_VERSION",
                             "AMBIGUOUS_PREFIX", "PREFIX_TOO_SHORT", "LEASED", "UNLOADING",
                             "CURRENT", "NO_CANDIDATE", "ROLLOUT_RUNNING", "CANDIDATE_IS_CURRENT",
@@ -248,7 +267,7 @@ async def test_bump(table: EpochTable) -> None:
 async def test_record_loaded_hints_with_the_prefix_it_is_given(table: EpochTable, redis: Redis) -> None:
     pubsub = redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(keys.HINTS)
-    changed = await table.scripts["record_loaded"](
+    changed = await table.scripts.registered["record_loaded"](
         keys=[keys.replica_loaded("http://r1")], args=["http://r1", "{}", 5000, keys.HINTS, "rep-hint/"]
     )
     assert int(changed) == codes()["CHANGED"]

@@ -21,10 +21,10 @@ from redis.asyncio import Redis
 
 from gateway.core.errors import ScriptRefused
 from gateway.table import keys
-from gateway.table.epoch_table import LOGGED, EpochTable
+from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.table.rollouts import start_rollout
-from gateway.table.scripts import operation_names
+from gateway.table.scripts import LOGGED, operation_names
 from tests.cli.test_cli import kvgate
 from tests.support.adapter_files import MakeAdapter
 from tests.table.test_epoch_table import BASE, D1, D2, D3
@@ -256,7 +256,7 @@ async def test_each_call_goes_through_when_redis_holds_what_the_scripts_write(
     call = CALLS[script]
     await SETUPS[call.setup](table, redis)
     before = await everything(redis)
-    await table.run(call.script, call.keys, call.args)
+    await table.scripts.run(call.script, call.keys, call.args)
     if script != "read_page":
         assert await everything(redis) != before, f"{script} wrote nothing: its call does not reach a write"
 
@@ -270,7 +270,7 @@ async def test_a_refused_call_changes_no_key(
     await plant(redis)
     before = await everything(redis)
     with pytest.raises(Exception) as caught:  # noqa: PT011 - the old scripts raised what Redis said
-        await table.run(call.script, call.keys, call.args)
+        await table.scripts.run(call.script, call.keys, call.args)
     assert await everything(redis) == before, f"{script} refused ({caught.value}) after writing"
     assert isinstance(caught.value, ScriptRefused), f"{script}: {caught.value!r}"
     assert caught.value.status == 500
@@ -285,7 +285,7 @@ async def test_a_heartbeat_goes_on_over_what_it_only_reads(
     await SETUPS[call.setup](table, redis)
     await HEARTBEAT_READS[what](redis)
     rounds = int(await redis.hget(keys.CHECK, "scrub_rounds") or 0)
-    await table.run(call.script, call.keys, call.args)
+    await table.scripts.run(call.script, call.keys, call.args)
     assert int(await redis.hget(keys.CHECK, "scrub_rounds") or 0) == rounds + 1
 
 

@@ -91,7 +91,7 @@ async def test_kvgate_serves_through_a_failover_then_follows_the_new_master(
 async def test_changes_wait_for_the_replica_and_warn_when_it_does_not_answer(
     make_adapter: MakeAdapter, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.table.epoch_table")
+    caplog.set_level(logging.WARNING, logger="gateway.table.scripts")
     store = AdapterStore(tmp_path / "store")
     state = keys.state("tenant-42")
     async with sentinel_group(tmp_path / "redis") as group, connect(group.url) as redis:
