@@ -279,9 +279,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
-        scheduler = Scheduler(
-            settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
-        )
+        scheduler = Scheduler(settings.prefix_index_entries, precise=precise)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
