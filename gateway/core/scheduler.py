@@ -214,17 +214,22 @@ def decide(
     if precise is not None:
         held = {r.url: precise(r) for r in allowed}
         first = target.keys[0] if target.keys else target.logical_id.encode()
-        best = max(allowed, key=lambda r: (held[r.url], _rendezvous(first, r)))
+        best = _best(allowed, lambda r: held[r.url], first)
         if held[best.url]:
             return Decision(best, "serve", "prefix", held[best.url], "precise")
     if target.keys:
         scores = {r.url: matched(r) for r in allowed}
-        best = max(
-            allowed, key=lambda r: (prefix_score(scores[r.url], target.keys), _rendezvous(target.keys[0], r))
-        )
+        best = _best(allowed, lambda r: prefix_score(scores[r.url], target.keys), target.keys[0])
         if scores[best.url]:
             return Decision(best, "serve", "prefix", scores[best.url], "predicted")
     return Decision(least_loaded(allowed), "serve", "least-loaded")
+
+
+def _best(allowed: Sequence[R], score: Callable[[R], float], first: bytes) -> R:
+    """The best score; ties go to the rendezvous hash of the first block key (alone: no tie to break)."""
+    if len(allowed) == 1:
+        return allowed[0]
+    return max(allowed, key=lambda r: (score(r), _rendezvous(first, r)))
 
 
 def _pinned_match(
