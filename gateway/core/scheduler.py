@@ -5,7 +5,8 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 
 - filters: ``healthy`` → ``serves_base`` → ``pinned`` (admin audits) → ``holds_version``. A replica is
   eligible for a version only when it lists the versioned name with that version's content-addressed
-  root and serves the base the version was published for, by name and by fingerprint
+  root, not quarantined there, not being unloaded there (``holds``), and serves the base the version was
+  published for, by name and by fingerprint
   (``core.base_print``: a base swapped under the same name is another base): warm requests never meet
   another version.
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
@@ -67,7 +68,24 @@ class ReplicaView(Protocol):
         """Its base's fingerprint, encoded (None until taken since it last (re)started)."""
         ...
 
-    def serves(self, name: str, root: str) -> bool: ...
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        """What it lists: versioned name -> the root it loaded it from."""
+        ...
+
+    @property
+    def quarantined(self) -> Mapping[str, str]:
+        """Versioned name -> the root it is quarantined for there (``fleet.quarantine``)."""
+        ...
+
+    @property
+    def unloading(self) -> Collection[str]:
+        """Versioned names this kvgate is unloading there (draining them off it)."""
+        ...
+
+    def root_for(self, path: str) -> str:
+        """Where it loads the version stored at ``path`` from (the store's path, or its agent's copy)."""
+        ...
 
 
 R = TypeVar("R", bound=ReplicaView)
@@ -103,7 +121,19 @@ def holds_version(replicas: Sequence[R], target: Target) -> list[R]:
     version = target.version
     if version is None:
         return list(replicas)
-    return [r for r in replicas if r.serves(version.name, version.path)]
+    return [r for r in replicas if holds(r, version.name, version.path)]
+
+
+def holds(replica: ReplicaView, name: str, path: str) -> bool:
+    """Whether ``replica`` serves version ``name`` (stored at ``path``): it lists the name with the
+    content-addressed root it loads it from, that name is not quarantined there from that root, and this
+    kvgate is not unloading it there (a version being drained off a replica takes no new request)."""
+    root = replica.root_for(path)
+    return (
+        replica.adapters.get(name) == root
+        and replica.quarantined.get(name) != root
+        and (name not in replica.unloading)
+    )
 
 
 def capacity(replicas: Sequence[ReplicaView], load_factor: float = LOAD_FACTOR) -> int:

@@ -12,7 +12,7 @@ from gateway.core.kv_events import BlockStored
 from gateway.core.kv_index import PreciseIndex
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
-from gateway.core.scheduler import Scheduler, evictions, has_room, within_bound
+from gateway.core.scheduler import Scheduler, eligible, evictions, has_room, holds, within_bound
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
 
@@ -239,3 +239,15 @@ def test_a_precise_holder_over_its_bound_is_passed_over() -> None:
         pool[0].begin("x")
     decision = scheduler.decide(pool, precise_target())
     assert (decision.replica, decision.reason, decision.prefix_source) == (pool[1], "least-loaded", "none")
+
+
+def test_a_version_quarantined_or_being_unloaded_on_a_replica_is_not_held_there() -> None:
+    pool = replicas(3)
+    quarantined, unloading, holder = pool
+    quarantined.quarantined[VERSION.name] = VERSION.path
+    unloading.unloading.add(VERSION.name)
+    assert [r.url for r in eligible(pool, target())] == [holder.url]
+    holder.quarantined[VERSION.name] = "/another/root"  # quarantined from another root: still held
+    assert holds(holder, VERSION.name, VERSION.path)
+    decision = Scheduler(index_entries=10).decide([quarantined, unloading], target())
+    assert decision.action == "load", "neither holds it: the version is loaded (again)"
