@@ -93,6 +93,18 @@ class Accounting:
     fault: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Outbound:
+    """What stage 7 (forward) hands stage 8 (relay) beside the answer: the replica it went to and what
+    responses call it, how ``model`` is rewritten coming out, where usage is counted, the evidence."""
+
+    replica: Replica
+    there: str
+    rewrite: relay.Rewrite | None
+    usage: relay.Usage
+    evidence: dict[str, str]
+
+
 class Proxy:
     def __init__(
         self,
@@ -247,8 +259,10 @@ class Proxy:
         span: Span,
         started: float,
     ) -> web.StreamResponse:
+        """Stage 7: the body with the gateway's members spliced in (``intake.upstream_body``) sent to the
+        replica decided on, holding one of its connection slots to the last byte relayed (``ReplicaBusy``
+        if none frees in time); its answer goes to stage 8 with what relaying it needs (``Outbound``)."""
         replica = reservation.replica
-        name = target.version.name if target.version is not None else None
         route = parsed.route
         body = upstream_body(parsed, target, replica.url, self.dialect, namespaces=self.options.namespaces)
         headers = {"Content-Type": "application/json"} if isinstance(body, bytes | io.BytesIO) else {}
@@ -256,26 +270,29 @@ class Proxy:
             headers[AUTHORIZATION_HEADER] = request.headers[AUTHORIZATION_HEADER]
         if self.tracing:
             attr.inject_traceparent(headers)
-        rewrite = _rewrite(route, name, target.logical_id)
-        usage = relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span)
         there = self.replica_names[replica.url]
-        evidence = wire.evidence(target, there, decision.prefix_source, decision.matched_blocks)
+        out = Outbound(
+            replica,
+            there,
+            _rewrite(route, target.version.name if target.version is not None else None, target.logical_id),
+            relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span),
+            wire.evidence(target, there, decision.prefix_source, decision.matched_blocks),
+        )
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         with relay.upstream_errors(there):
-            # a connection slot is held to the last byte relayed (ReplicaBusy if none frees in time)
             async with replica.connection():
                 if (body is None or isinstance(body, bytes)) and self.upstream.serves(replica.url):
                     answer = await self.upstream.request(route.method, replica.url, path, body, headers)
                     try:
-                        response = await self.relay(request, parsed, target, answer, rewrite, usage,
-                                                     evidence, replica, started)  # fmt: skip
+                        response = await self.relay(request, parsed, target, answer, out, started)
                     finally:
                         answer.release()
                 else:  # a multipart or very large body, or a replica this client cannot reach: aiohttp's
                     url = replica.url + path
                     async with self.pool.session.request(route.method, url, data=body, headers=headers) as up:
-                        response = await self.relay(request, parsed, target, relay.AiohttpAnswer(up),
-                                                     rewrite, usage, evidence, replica, started)  # fmt: skip
+                        response = await self.relay(
+                            request, parsed, target, relay.AiohttpAnswer(up), out, started
+                        )
         if response.status == 200:
             self.scheduler.served(target, replica)
         return response
@@ -286,13 +303,13 @@ class Proxy:
         parsed: ParsedRequest,
         target: Target,
         upstream: relay.Answer,
-        rewrite: relay.Rewrite | None,
-        usage: relay.Usage,
-        evidence: dict[str, str],
-        replica: Replica,
+        out: Outbound,
         started: float,
     ) -> web.StreamResponse:
-        there = self.replica_names[replica.url]
+        """Stage 8: the replica's answer back to the client (``relay``): ``model`` rewritten to the logical
+        ID, usage read, the evidence headers; a replica that forgot the version or is going down is
+        raised for ``serve`` to retry."""
+        replica, there, rewrite = out.replica, out.there, out.rewrite
         self.metrics.ttfb.observe(time.monotonic() - started)
         if target.role:  # a rollout runs: the first byte of this version's answer
             self.rollouts.first_byte(target, time.monotonic() - started)
@@ -309,10 +326,10 @@ class Proxy:
             )
         if parsed.route.kind == "model-card":
             name = target.version.name if target.version is not None else None
-            return await relay.relay_card(upstream, name or parsed.model, target, evidence, there)
+            return await relay.relay_card(upstream, name or parsed.model, target, out.evidence, there)
         if parsed.stream and upstream.content_type == "text/event-stream":
-            return await relay.relay_stream(request, upstream, rewrite, usage, evidence, there)
-        return await relay.relay_body(upstream, rewrite, usage, evidence, there)
+            return await relay.relay_stream(request, upstream, rewrite, out.usage, out.evidence, there)
+        return await relay.relay_body(upstream, rewrite, out.usage, out.evidence, there)
 
     async def _went_down(self, replica: Replica) -> bool:
         """Whether a replica that answered a 5xx is going away: asked for its listing at once, it no
