@@ -36,7 +36,6 @@ class Named:
     base: str  # the base identity a base request needs
     state: VersionState | None = None
     salt: str | None = None  # a base request's cache namespace: its caller's tenant's (None: the default)
-    tokenized: bool = True  # whether its prompt may be tokenized (not a stored response's follow-up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +57,8 @@ class Keying:
 
 
 class Targeting:
+    """Stages 3 to 5 over this kvgate's snapshot and replica pool; ``keying`` fixed at start."""
+
     def __init__(
         self, snapshot: Snapshot, pool: ReplicaPool, keying: Keying, *, base_model: str, base_identity: str
     ) -> None:
@@ -74,7 +75,7 @@ class Targeting:
         if parsed.route.kind == "response":
             pin = parsed.admin.pin
             base = pin.base if pin is not None and pin.base else self.base_identity
-            return Named(UNKNOWN, base, tokenized=False)
+            return Named(UNKNOWN, base)
         model = parsed.model or self.base_model
         served_bases = self.pool.base_identities()
         if model == self.base_model or model in served_bases:
@@ -104,8 +105,7 @@ class Targeting:
         the tenant's for a base request), its prefix keys and, with KV events, its tokens."""
         version = chosen.version
         if version is None:
-            tokens = self.tokens(parsed) if named.tokenized else ()
-            return Target(named.model, named.base, None, named.salt, [], tokens=tokens)
+            return Target(named.model, named.base, None, named.salt, [], tokens=self.tokens(parsed))
         expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
             salt = cold_salt()
