@@ -69,7 +69,7 @@ class Change:
     digest: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Target:
     """The effective model a request meets: a published version, or the base model (version None)."""
 

@@ -92,7 +92,7 @@ R = TypeVar("R", bound=ReplicaView)
 Action = Literal["serve", "load"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision(Generic[R]):
     replica: R
     action: Action

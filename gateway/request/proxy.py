@@ -93,7 +93,7 @@ class Accounting:
     fault: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outbound:
     """What stage 7 (forward) hands stage 8 (relay) beside the answer: the replica it went to and what
     responses call it, how ``model`` is rewritten coming out, where usage is counted, the evidence."""

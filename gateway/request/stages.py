@@ -8,6 +8,11 @@ in memory only (the snapshot, the replicas' listings, the tokenizer), each with 
   candidate for the share of split keys its weight says (``core/split.py``).
 - tokenize: the cache namespace, the prompt's prefix keys and (with KV events) its tokens: the
   ``Target`` the scheduler decides on.
+
+What a stage hands the next (here, ``ParsedRequest``, ``Target``, the scheduler's ``Decision``, the
+proxy's ``Outbound``) is a slotted dataclass built once per request and never changed afterwards; not a
+frozen one, which costs about six times as much to build (``object.__setattr__`` per field: ~1.4 µs
+against ~0.2 for five fields), a few µs a request on the path.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from gateway.table.snapshot import Snapshot
 from gateway.telemetry.metrics import UNKNOWN
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Named:
     """What a request names (resolve): ``state`` is the logical ID's entry, None for a base model."""
 
@@ -38,7 +43,7 @@ class Named:
     salt: str | None = None  # a base request's cache namespace: its caller's tenant's (None: the default)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Chosen:
     """Which version answers (split): None for a base model; ``role`` and ``rollout`` while one runs."""
 
