@@ -76,19 +76,23 @@ def _timed(timings: Timings, label: str, function: Callable[..., Any], coroutine
 
 def _time_stages(timings: Timings) -> None:
     from gateway.fleet import reservation
-    from gateway.request import intake, placement, proxy, relay
+    from gateway.request import auth, intake, placement, proxy, relay, stages
 
-    stages: list[tuple[Any, str, str, bool]] = [
+    timed: list[tuple[Any, str, str, bool]] = [
         (proxy.Proxy, "handle", "the whole request (wall, with its waits)", True),
-        (intake.Intake, "parse", "1 parse (read the body, decode, admin headers)", True),
-        (proxy.Proxy, "resolve", "2 resolve (snapshot, split, salt, prefix keys)", False),
-        (placement.Placement, "_decide", "3 schedule: the decision", False),
-        (reservation.Reservation, "take", "3 schedule: the reservation (lease)", True),
-        (proxy, "upstream_body", "4 forward: the body spliced", False),
-        (relay, "relay_body", "4 relay: read the answer, build the response", True),
-        (relay, "transform", "4 relay: model rewritten back, usage read", False),
+        (auth.Auth, "caller", "1 authorize (the caller)", False),
+        (intake.Intake, "parse", "2 parse (read the body, decode, admin headers)", True),
+        (stages.Targeting, "resolve", "3 resolve (the snapshot)", False),
+        (stages.Targeting, "split", "4 split (a rollout's version)", False),
+        (stages.Targeting, "tokenize", "5 tokenize (salt, prefix keys, tokens)", False),
+        (placement.Placement, "place", "6 decide: the scheduler, carried out (with the reservation)", True),
+        (reservation.Reservation, "take", "6 decide: the reservation (lease)", True),
+        (proxy, "upstream_body", "7 forward: the body spliced", False),
+        (relay, "relay_body", "8 relay: read the answer, build the response", True),
+        (relay, "transform", "8 relay: model rewritten back, usage read", False),
+        (proxy.Proxy, "account", "9 account (metrics)", False),
     ]
-    for owner, name, label, coroutine in stages:
+    for owner, name, label, coroutine in timed:
         setattr(owner, name, _timed(timings, label, getattr(owner, name), coroutine))
 
 

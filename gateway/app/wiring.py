@@ -282,9 +282,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
         if precise is not None:
             app[PRECISE_INDEX] = precise
-        scheduler = Scheduler(
-            settings.prefix_index_entries, budget=settings.max_adapters_per_replica, precise=precise
-        )
+        scheduler = Scheduler(settings.prefix_index_entries, precise=precise)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],

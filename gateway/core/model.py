@@ -87,7 +87,7 @@ class RolloutChange:
     weight: int  # basis points
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Target:
     """The effective model a request meets: a published version, or the base model (version None)."""
 

@@ -5,7 +5,8 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
 
 - filters: ``healthy`` → ``serves_base`` → ``pinned`` (admin audits) → ``holds_version``. A replica is
   eligible for a version only when it lists the versioned name with that version's content-addressed
-  root and serves the base the version was published for, by name and by fingerprint
+  root, not quarantined there, not being unloaded there (``holds``), and serves the base the version was
+  published for, by name and by fingerprint
   (``core.base_print``: a base swapped under the same name is another base): warm requests never meet
   another version.
 - bound: ``within_bound`` drops replicas above ``LOAD_FACTOR`` times their fair share of in-flight
@@ -17,17 +18,21 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
   to one of them instead of being spread by load (which would make every replica cache every tenant).
 - pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties).
 
-When no replica of the right base holds the version, the decision is "load on the least-loaded one";
-when every holder is over its bounded share and another replica of the base is within it and has room in
-its adapter budget, it is "load there too" (``spread_target``): a hot version spreads.
-``evictions`` orders what a replica may unload to make room. The ``Scheduler`` owns the prefix index:
-it reads it to decide and records what a replica served, the one place that does either.
+When no replica of the right base holds the version, the decision is "load on the least-loaded one
+with room" (any, when none has room: the load waits for a slot there); when every holder is over its
+bounded share and another replica of the base is within it and has room, it is "load there too"
+(``spread_target``): a hot version spreads. Room is one idea (``has_room``: the adapter budget has a free
+slot, or an adapter kvgate loaded there is idle and may be evicted), asked of the caller's budget through
+``room``; ``evictions`` orders what a replica may unload to make it. The request path asks ``decide``
+once per request (``request.placement``), again only on the retries it documents. The ``Scheduler``
+owns the prefix index: it reads it to decide and records what a replica served, the one place that does
+either.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -62,7 +67,24 @@ class ReplicaView(Protocol):
         """Its base's fingerprint, encoded (None until taken since it last (re)started)."""
         ...
 
-    def serves(self, name: str, root: str) -> bool: ...
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        """What it lists: versioned name -> the root it loaded it from."""
+        ...
+
+    @property
+    def quarantined(self) -> Mapping[str, str]:
+        """Versioned name -> the root it is quarantined for there (``fleet.quarantine``)."""
+        ...
+
+    @property
+    def unloading(self) -> Collection[str]:
+        """Versioned names this kvgate is unloading there (draining them off it)."""
+        ...
+
+    def root_for(self, path: str) -> str:
+        """Where it loads the version stored at ``path`` from (the store's path, or its agent's copy)."""
+        ...
 
 
 class HeldBlocks(Protocol):
@@ -79,7 +101,7 @@ R = TypeVar("R", bound=ReplicaView)
 Action = Literal["serve", "load"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision(Generic[R]):
     replica: R
     action: Action
@@ -108,7 +130,19 @@ def holds_version(replicas: Sequence[R], target: Target) -> list[R]:
     version = target.version
     if version is None:
         return list(replicas)
-    return [r for r in replicas if r.serves(version.name, version.path)]
+    return [r for r in replicas if holds(r, version.name, version.path)]
+
+
+def holds(replica: ReplicaView, name: str, path: str) -> bool:
+    """Whether ``replica`` serves version ``name`` (stored at ``path``): it lists the name with the
+    content-addressed root it loads it from, that name is not quarantined there from that root, and this
+    kvgate is not unloading it there (a version being drained off a replica takes no new request)."""
+    root = replica.root_for(path)
+    return (
+        replica.adapters.get(name) == root
+        and replica.quarantined.get(name) != root
+        and (name not in replica.unloading)
+    )
 
 
 def capacity(replicas: Sequence[ReplicaView], load_factor: float = LOAD_FACTOR) -> int:
@@ -125,16 +159,31 @@ def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> l
     return [r for r in candidates if r.in_flight + 1 <= cap] or list(candidates)
 
 
-def spread_target(of_base: Sequence[R], holders: Sequence[R], budget: int) -> R | None:
+def spread_target(of_base: Sequence[R], holders: Sequence[R], room: Callable[[R], bool]) -> R | None:
     """Where a hot version should be loaded too: every holder is above its bounded share of the base's
-    load, and a replica of the base that lacks the version is within it and has room in its budget."""
+    load, and a replica of the base that lacks the version is within it and has ``room``."""
     if len(of_base) == len(holders):  # every replica of the base holds it: nowhere to spread to
         return None
     cap = capacity(of_base)
     if any(r.in_flight + 1 <= cap for r in holders):
         return None
-    room = [r for r in of_base if r not in holders and r.in_flight + 1 <= cap and r.adapter_count < budget]
-    return least_loaded(room) if room else None
+    roomy = [r for r in of_base if r not in holders and r.in_flight + 1 <= cap and room(r)]
+    return least_loaded(roomy) if roomy else None
+
+
+def has_room(managed: Collection[str], pending: int, in_use: Mapping[str, int], budget: int) -> bool:
+    """The one idea of room for one more adapter on a replica: fewer than ``budget`` adapters kvgate
+    loaded there (``managed``) and loads under way (``pending``), or one of them with no request in
+    flight here (``in_use``), which may be evicted (unless another kvgate leases it: then the load
+    waits for a slot)."""
+    if len(managed) + pending < budget:
+        return True
+    return any(not in_use.get(name) for name in managed)
+
+
+def anywhere(replica: ReplicaView) -> bool:
+    """``room`` when no budget is known: every replica has room."""
+    return True
 
 
 def eligible(replicas: Sequence[R], target: Target) -> list[R]:
@@ -175,44 +224,51 @@ def decide(
     *,
     pin: str | None = None,
     matched: Callable[[R], int],
-    budget: int,
+    room: Callable[[R], bool] = anywhere,
     precise: Callable[[R], int] | None = None,
 ) -> Decision[R]:
     """Serve on an eligible replica, or load the target's version on one of its base: because no
-    replica holds it ("loaded"), or because every holder is over its bounded share ("spread").
+    replica holds it ("loaded": on the least-loaded one with room, or the least-loaded one when none has
+    room), or because every holder is over its bounded share ("spread": only where there is room).
 
     ``matched(r)`` tells how many leading blocks of ``target.keys`` replica ``r`` is predicted to hold;
     ``precise(r)``, when given, how many leading token blocks of the prompt its KV events say it holds:
-    the longest precise match within the bound wins, then the predicted one, then load. ``budget`` is
-    the adapters a replica keeps loaded. Raises ``NoEligibleReplica`` when no healthy
-    replica (the pinned one, if pinned) serves the base.
+    the longest precise match within the bound wins, then the predicted one, then load. ``room(r)``:
+    whether a load on ``r`` could start now (the caller's adapter budget, by ``has_room``). Raises
+    ``NoEligibleReplica`` when no healthy replica (the pinned one, if pinned) serves the base.
     """
     of_base = pinned(serves_base(healthy(replicas), target.base, target.base_print), pin)
     if not of_base:
         raise NoEligibleReplica(_nothing_serves(target, pin), param="model")
     holders = holds_version(of_base, target)
     if not holders:
-        return Decision(least_loaded(of_base), "load", "loaded")
+        roomy = [r for r in of_base if room(r)]
+        return Decision(least_loaded(roomy or of_base), "load", "loaded")
     if pin is not None:
         return Decision(holders[0], "serve", "pinned", *_pinned_match(holders[0], matched, precise))
-    spread = spread_target(of_base, holders, budget)
+    spread = spread_target(of_base, holders, room)
     if spread is not None:
         return Decision(spread, "load", "spread")
     allowed = within_bound(holders)
     if precise is not None:
         held = {r.url: precise(r) for r in allowed}
         first = target.keys[0] if target.keys else target.logical_id.encode()
-        best = max(allowed, key=lambda r: (held[r.url], _rendezvous(first, r)))
+        best = _best(allowed, lambda r: held[r.url], first)
         if held[best.url]:
             return Decision(best, "serve", "prefix", held[best.url], "precise")
     if target.keys:
         scores = {r.url: matched(r) for r in allowed}
-        best = max(
-            allowed, key=lambda r: (prefix_score(scores[r.url], target.keys), _rendezvous(target.keys[0], r))
-        )
+        best = _best(allowed, lambda r: prefix_score(scores[r.url], target.keys), target.keys[0])
         if scores[best.url]:
             return Decision(best, "serve", "prefix", scores[best.url], "predicted")
     return Decision(least_loaded(allowed), "serve", "least-loaded")
+
+
+def _best(allowed: Sequence[R], score: Callable[[R], float], first: bytes) -> R:
+    """The best score; ties go to the rendezvous hash of the first block key (alone: no tie to break)."""
+    if len(allowed) == 1:
+        return allowed[0]
+    return max(allowed, key=lambda r: (score(r), _rendezvous(first, r)))
 
 
 def _pinned_match(
@@ -251,17 +307,23 @@ class Scheduler:
     kvgate sent where) and, when KV events are followed, the precise one (``precise``, fed by
     ``kv.follower``)."""
 
-    def __init__(self, index_entries: int, *, budget: int, precise: HeldBlocks | None = None) -> None:
+    def __init__(self, index_entries: int, *, precise: HeldBlocks | None = None) -> None:
         self.index = PrefixIndex(index_entries)
         self.precise = precise
-        self.budget = budget
 
-    def decide(self, replicas: Sequence[R], target: Target, *, pin: str | None = None) -> Decision[R]:
+    def decide(
+        self,
+        replicas: Sequence[R],
+        target: Target,
+        *,
+        pin: str | None = None,
+        room: Callable[[R], bool] = anywhere,
+    ) -> Decision[R]:
         def matched(replica: R) -> int:
             return self.index.matched(target.keys, replica.url)
 
         held = self._precise_match(target)
-        return decide(replicas, target, pin=pin, matched=matched, budget=self.budget, precise=held)
+        return decide(replicas, target, pin=pin, matched=matched, room=room, precise=held)
 
     def _precise_match(self, target: Target) -> Callable[[ReplicaView], int] | None:
         """How many leading token blocks of the request a replica holds by its events (None: no tokens,

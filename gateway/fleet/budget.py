@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.core.errors import AdapterBudgetFull
-from gateway.core.scheduler import evictions
+from gateway.core.scheduler import evictions, has_room
 from gateway.fleet.leases import Leases
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.table.epoch_table import REDIS_DOWN
@@ -61,12 +61,11 @@ class AdapterBudget:
         self._turns: dict[str, asyncio.Lock] = {}  # replica URL -> whose turn it is to make room there
 
     def has_room(self, replica: Replica) -> bool:
-        """Whether a load on ``replica`` could start now, as far as this kvgate knows: the budget has
-        room, or an adapter there is not reserved here (another kvgate may still lease it)."""
-        managed = self.managed(replica)
-        if len(managed) + self.pending[replica.url] < self.budget:
-            return True
-        return any(not replica.in_flight_by_name.get(name) for name in managed)
+        """Whether a load on ``replica`` could start now, as far as this kvgate knows (the scheduler's one
+        idea of room, ``core.scheduler.has_room``, over this budget's figures): the scheduler asks it
+        both where to load and where a hot version may spread."""
+        in_use = replica.in_flight_by_name
+        return has_room(self.managed(replica), self.pending[replica.url], in_use, self.budget)
 
     @contextlib.asynccontextmanager
     async def slot(self, replica: Replica) -> AsyncIterator[None]:

@@ -26,6 +26,7 @@ from gateway.core.base_print import current as current_scheme
 from gateway.core.errors import MalformedAnswer, ReplicaBusy
 from gateway.core.identity import base_identity
 from gateway.core.model import VersionState
+from gateway.core.scheduler import holds
 from gateway.fleet.backends import AdapterListing, BackendDialect
 from gateway.table.epoch_table import REDIS_DOWN, REDIS_REFUSED, EpochTable
 from gateway.tasks.supervisor import periodically
@@ -115,13 +116,14 @@ class Replica:
         verified local copy ``<agent_root>/<digest>``."""
         return f"{self.agent_root}/{path.rstrip('/').rpartition('/')[2]}" if self.agent else path
 
+    @property
+    def adapters(self) -> dict[str, str]:
+        """What it lists: versioned name -> root."""
+        return self.listing.adapters
+
     def serves(self, name: str, root: str) -> bool:
-        """Eligible for a version only when it lists the versioned name with the content-addressed root
-        (``root_for``), that name is not quarantined here from that root, and this kvgate is not
-        unloading it."""
-        root = self.root_for(root)
-        listed = self.listing.adapters.get(name) == root
-        return listed and self.quarantined.get(name) != root and name not in self.unloading
+        """Whether it serves the version ``name`` stored at ``root``: the scheduler's rule (``holds``)."""
+        return holds(self, name, root)
 
     def begin(self, name: str | None) -> None:
         self.in_flight += 1

@@ -50,7 +50,7 @@ class FormField:
     content_type: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedRequest:
     route: Route
     caller: Caller | None

@@ -1,10 +1,13 @@
-"""Stage 3 of the request path: where a request runs, carried out under its reservation.
+"""The request path's decide stage: the scheduler asked once where a request runs, and its answer
+carried out under the request's reservation.
 
-The scheduler decides (serve on R, or load on R); ``place`` takes the request's ``Reservation`` on that
-version at R at once (so nothing evicts it from then on: not this kvgate's budget or sweep, not another
-kvgate's), loads it when it must, and hands both back for the forward. A load goes where the budget has
-room when the replica picked has none (every adapter reserved); when no replica of the base has room,
-the load waits for a slot (``slot_wait_timeout``), then ``AdapterBudgetFull``.
+The scheduler decides (serve on R, or load on R), with every eligibility rule its own, the adapter
+budget's room among them (``AdapterBudget.has_room``, the scheduler's ``has_room`` over this kvgate's
+figures); ``place`` takes the request's ``Reservation`` on that version at R at once (so nothing evicts
+it from then on: not this kvgate's budget or sweep, not another kvgate's), loads it when it must, and
+hands both back for the forward. When no replica of the base has room, the load waits for a slot
+(``slot_wait_timeout``), then ``AdapterBudgetFull``. The scheduler is asked again only on the retries
+``place`` documents.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Placement:
         self.scheduler = scheduler
         self.loader = loader
         self.leases = leases
+        self.room = loader.budget.has_room
 
     async def place(self, target: Target, pin: Replica | None) -> tuple[Decision[Replica], Reservation]:
         """The scheduler's decision, carried out, with the request's reservation on it taken at once (a
@@ -45,7 +49,7 @@ class Placement:
         name = target.version.name if target.version is not None else None
         down, deadline = 0, time.monotonic() + self.loader.budget.slot_wait
         while True:
-            decision = self._decide(target, pin_url)
+            decision = self.scheduler.decide(self.pool.replicas, target, pin=pin_url, room=self.room)
             try:
                 reservation = await Reservation.take(decision.replica, name, self.leases)
             except VersionUnloading:
@@ -72,17 +76,3 @@ class Placement:
             except BaseException:
                 reservation.release()
                 raise
-
-    def _decide(self, target: Target, pin: str | None) -> Decision[Replica]:
-        """The scheduler's decision; a load goes to a replica of the base with room in its adapter
-        budget (or an adapter not in use here) when the one picked has none."""
-        decision = self.scheduler.decide(self.pool.replicas, target, pin=pin)
-        if decision.action == "serve" or self.loader.budget.has_room(decision.replica):
-            return decision
-        roomy = [r for r in self.pool.replicas if self.loader.budget.has_room(r)]
-        if not roomy:
-            return decision  # the load waits for a slot there (slot_wait_timeout)
-        try:
-            return self.scheduler.decide(roomy, target, pin=pin)
-        except NoEligibleReplica:  # none of them serves the base
-            return decision

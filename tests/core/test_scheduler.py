@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
 from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
-from gateway.core.scheduler import Scheduler, evictions, within_bound
+from gateway.core.scheduler import Scheduler, eligible, evictions, has_room, holds, within_bound
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
 from gateway.kv.events import BlockStored
@@ -51,7 +52,7 @@ def test_index_matches_leading_blocks_and_forgets_least_recent() -> None:
 
 def test_longest_prefix_wins_and_is_recorded_by_the_scheduler() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(budget=8, index_entries=1000)
+    scheduler = Scheduler(index_entries=1000)
     wanted = target()
     scheduler.index.record(wanted.keys[:2], pool[0].url)
     scheduler.served(wanted, pool[2])
@@ -62,7 +63,7 @@ def test_longest_prefix_wins_and_is_recorded_by_the_scheduler() -> None:
 
 def test_a_prefix_held_everywhere_goes_to_one_replica_whatever_the_order_and_load() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(budget=8, index_entries=10_000)
+    scheduler = Scheduler(index_entries=10_000)
     wanted = target()
     for replica in pool:
         scheduler.served(wanted, replica)
@@ -76,7 +77,7 @@ def test_a_prefix_held_everywhere_goes_to_one_replica_whatever_the_order_and_loa
 
 def test_ties_spread_different_prefixes_over_replicas() -> None:
     pool = replicas(3)
-    scheduler = Scheduler(budget=8, index_entries=100_000)
+    scheduler = Scheduler(index_entries=100_000)
     chosen = set()
     for tenant in range(30):
         wanted = target(f"kvg-{tenant}")
@@ -88,7 +89,7 @@ def test_ties_spread_different_prefixes_over_replicas() -> None:
 
 def test_bounded_load_skips_an_overloaded_holder() -> None:
     pool = replicas(2)
-    scheduler = Scheduler(budget=8, index_entries=1000)
+    scheduler = Scheduler(index_entries=1000)
     wanted = target()
     scheduler.served(wanted, pool[0])
     for _ in range(4):
@@ -102,14 +103,14 @@ def test_no_holder_means_load_on_the_least_loaded_replica_of_the_base() -> None:
     pool = replicas(3, holding=False)
     pool[0].begin(None)
     pool[2].listing = AdapterListing("other-base", "/m", {})
-    decision = Scheduler(budget=8, index_entries=10).decide(pool, target())
+    decision = Scheduler(index_entries=10).decide(pool, target())
     assert (decision.replica, decision.action, decision.reason) == (pool[1], "load", "loaded")
 
 
 def test_pinned_serves_or_loads_on_the_pin_only() -> None:
     pool = replicas(2)
     pool[1].listing = AdapterListing("base", "/m", {})
-    scheduler = Scheduler(budget=8, index_entries=10)
+    scheduler = Scheduler(index_entries=10)
     serve = scheduler.decide(pool, target(), pin=pool[0].url)
     assert (serve.replica, serve.action, serve.reason) == (pool[0], "serve", "pinned")
     load = scheduler.decide(pool, target(), pin=pool[1].url)
@@ -122,8 +123,8 @@ def test_pinned_serves_or_loads_on_the_pin_only() -> None:
 def test_nothing_of_the_base_is_a_clear_error_and_base_requests_need_no_version() -> None:
     pool = replicas(2)
     with pytest.raises(NoEligibleReplica, match="'other'"):
-        Scheduler(budget=8, index_entries=10).decide(pool, Target("t", "other", VERSION, None, []))
-    base_request = Scheduler(budget=8, index_entries=10).decide(pool, Target("base", "base", None, None, []))
+        Scheduler(index_entries=10).decide(pool, Target("t", "other", VERSION, None, []))
+    base_request = Scheduler(index_entries=10).decide(pool, Target("base", "base", None, None, []))
     assert (base_request.action, base_request.reason) == ("serve", "least-loaded")
 
 
@@ -137,20 +138,49 @@ def test_evictions_never_offer_a_name_in_use_and_take_retired_then_least_recent(
     assert order == ["retired", "cur-old", "cur-new"]
 
 
+def room_of(budget: int) -> Callable[[Replica], bool]:
+    """The one idea of room (``has_room``), with every listed adapter counted as kvgate's, none pending."""
+    return lambda r: has_room(list(r.listing.adapters), 0, r.in_flight_by_name, budget)
+
+
 def test_a_hot_version_spreads_to_an_idle_replica_with_room() -> None:
     pool = replicas(3, holding=False)
     holder, idle, full = pool
     holder.listing = AdapterListing("base", "/m", {VERSION.name: VERSION.path})
     full.listing = AdapterListing("base", "/m", {f"other@{i}": "/x" for i in range(2)})
-    scheduler = Scheduler(index_entries=10, budget=2)
-    assert scheduler.decide(pool, target()).action == "serve", "one request does not spread"
+    full.in_flight_by_name.update(dict.fromkeys(full.listing.adapters, 1))  # all in use: no room
+    scheduler, room = Scheduler(index_entries=10), room_of(2)
+    assert scheduler.decide(pool, target(), room=room).action == "serve", "one request does not spread"
     for _ in range(2):
         holder.begin(VERSION.name)
-    decision = scheduler.decide(pool, target())
+    decision = scheduler.decide(pool, target(), room=room)
     assert (decision.replica, decision.action, decision.reason) == (idle, "load", "spread")
     idle.listing = AdapterListing("base", "/m", {f"other@{i}": "/x" for i in range(2)})
-    stays = scheduler.decide(pool, target())
+    idle.in_flight_by_name.update(dict.fromkeys(idle.listing.adapters, 1))
+    stays = scheduler.decide(pool, target(), room=room)
     assert (stays.replica, stays.action) == (holder, "serve"), "no replica with room: the holder serves"
+
+
+def test_room_is_a_free_slot_or_an_idle_adapter_and_a_load_goes_where_there_is_room() -> None:
+    assert has_room(["a"], 0, {}, 2)
+    assert has_room(["a"], 1, {}, 3)
+    assert not has_room(["a"], 1, {"a": 1}, 2), "a pending load takes the free slot"
+    assert has_room(["a", "b"], 0, {"a": 1}, 2), "an idle adapter may be evicted"
+    pool = replicas(3, holding=False)
+    busy_full, busier_free, busiest = pool
+    busy_full.listing = AdapterListing("base", "/m", {"other@0": "/x"})
+    busy_full.in_flight_by_name["other@0"] = 1
+    for _ in range(2):
+        busier_free.begin(None)
+    for _ in range(3):
+        busiest.begin(None)
+    load = Scheduler(index_entries=10).decide(pool, target(), room=room_of(1))
+    assert (load.replica, load.action, load.reason) == (busier_free, "load", "loaded")
+    for replica in pool:
+        replica.listing = AdapterListing("base", "/m", {"other@0": "/x"})
+        replica.in_flight_by_name["other@0"] = 1
+    waits = Scheduler(index_entries=10).decide(pool, target(), room=room_of(1))
+    assert (waits.replica, waits.action) == (busy_full, "load"), "no room anywhere: the least-loaded waits"
 
 
 # --- the precise index (KV events) first, then the predicted one, then load ----------------------
@@ -172,7 +202,7 @@ def stored(namespace: tuple[str | None, str | None], blocks: int, first_hash: in
 def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
     pool = replicas(3)
     index = PreciseIndex(1000)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
+    scheduler = Scheduler(index_entries=1000, precise=index)
     wanted = precise_target()
     scheduler.served(wanted, pool[0])  # predicted: r0 holds the whole prompt
     index.apply(pool[1].url, [stored((VERSION.name, "kvg-a"), 2)])
@@ -185,7 +215,7 @@ def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
 def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_stays() -> None:
     pool = replicas(2)
     index = PreciseIndex(1000)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
+    scheduler = Scheduler(index_entries=1000, precise=index)
     index.apply(pool[1].url, [stored(("t@other", "kvg-a"), 4)])  # another version's blocks
     index.apply(pool[1].url, [stored((VERSION.name, "kvg-client"), 4, first_hash=10)])
     wanted = precise_target()
@@ -203,9 +233,21 @@ def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_s
 def test_a_precise_holder_over_its_bound_is_passed_over() -> None:
     pool = replicas(2)
     index = PreciseIndex(1000)
-    scheduler = Scheduler(budget=8, index_entries=1000, precise=index)
+    scheduler = Scheduler(index_entries=1000, precise=index)
     index.apply(pool[0].url, [stored((VERSION.name, "kvg-a"), 4)])
     for _ in range(4):
         pool[0].begin("x")
     decision = scheduler.decide(pool, precise_target())
     assert (decision.replica, decision.reason, decision.prefix_source) == (pool[1], "least-loaded", "none")
+
+
+def test_a_version_quarantined_or_being_unloaded_on_a_replica_is_not_held_there() -> None:
+    pool = replicas(3)
+    quarantined, unloading, holder = pool
+    quarantined.quarantined[VERSION.name] = VERSION.path
+    unloading.unloading.add(VERSION.name)
+    assert [r.url for r in eligible(pool, target())] == [holder.url]
+    holder.quarantined[VERSION.name] = "/another/root"  # quarantined from another root: still held
+    assert holds(holder, VERSION.name, VERSION.path)
+    decision = Scheduler(index_entries=10).decide([quarantined, unloading], target())
+    assert decision.action == "load", "neither holds it: the version is loaded (again)"

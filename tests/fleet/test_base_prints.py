@@ -147,9 +147,12 @@ class View:
     def __init__(self, url: str, base_print: str | None, base: str = "base") -> None:
         self.url, self.base, self.base_print = url, base, base_print
         self.healthy, self.in_flight, self.adapter_count = True, 0, 0
+        self.adapters = {"t@d": "/s/d"}  # every view lists the version
+        self.quarantined: dict[str, str] = {}
+        self.unloading: set[str] = set()
 
-    def serves(self, name: str, root: str) -> bool:
-        return True
+    def root_for(self, path: str) -> str:
+        return path
 
 
 def test_a_replica_is_eligible_only_when_its_base_print_matches() -> None:

@@ -19,7 +19,7 @@ from gateway.app.wiring import build_app
 from gateway.core.errors import InvalidAdapter
 from gateway.core.identity import check_digest, check_logical_id, versioned_name
 from gateway.process.http_edge import free_port, running
-from gateway.request.proxy import Proxy
+from gateway.request.stages import Targeting
 from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.telemetry.metrics import Metrics
@@ -149,10 +149,10 @@ async def test_an_unexpected_exception_is_a_json_500_logged_once_with_its_traceb
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def broken(self: Proxy, parsed: object, caller: object) -> None:
+    def broken(self: Targeting, parsed: object, caller: object) -> None:
         raise RuntimeError("a bug in kvgate, with a secret detail")
 
-    monkeypatch.setattr(Proxy, "resolve", broken)
+    monkeypatch.setattr(Targeting, "resolve", broken)
     caplog.set_level(logging.INFO)
     async with kvgate(redis, tmp_path, make_adapter) as edge:
         status, content_type, body = await post(edge.url, b'{"model":"tenant-42","prompt":"x"}')
