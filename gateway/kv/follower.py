@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -88,7 +88,7 @@ class KvFollower:
         metrics: Metrics,
         context: zmq.asyncio.Context,
         *,
-        endpoints: Endpoints | None = None,
+        endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.replica = replica
@@ -96,7 +96,7 @@ class KvFollower:
         self.session = session
         self.metrics = metrics
         self.context = context
-        self.configured = None if endpoints is None else Sources({0: endpoints})
+        self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
         self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
         self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
@@ -350,10 +350,12 @@ async def follow_events(
     if index is None:
         yield {}
         return
-    configured = dict(parse_endpoint_setting(entry) for entry in endpoint_settings)
+    configured: dict[str, list[Endpoints]] = {}  # a replica's entries, in order: its ranks 0, 1, ...
+    for url, endpoints in map(parse_endpoint_setting, endpoint_settings):
+        configured.setdefault(url, []).append(endpoints)
     context = zmq.asyncio.Context()
     followers = {
-        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url))
+        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url, ()))
         for r in pool.replicas
     }
     for url, follower in followers.items():

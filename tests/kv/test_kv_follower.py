@@ -149,7 +149,7 @@ async def following(replay: list[list[bytes]] | None = None) -> AsyncIterator[Fo
     index, metrics, replica = PreciseIndex(10_000), Metrics(), Replica(URL)
     endpoints = Endpoints(endpoint, replay_endpoint, "kv")
     async with aiohttp.ClientSession() as session:
-        follower = KvFollower(replica, index, session, metrics, context, endpoints=endpoints)
+        follower = KvFollower(replica, index, session, metrics, context, endpoints=[endpoints])
         tasks.append(asyncio.create_task(follower.run()))
         try:
             assert await pub.poll(10_000), "the follower subscribed"

@@ -113,21 +113,21 @@ class Ranks:
 
 @contextlib.asynccontextmanager
 async def ranks(shape: str, count: int = 2, extra: list[object] | None = None) -> AsyncIterator[Ranks]:
-    """``count`` real publishers (ports in a row, as vLLM offsets them by rank), named by the replica's
+    """``count`` real publishers (one per rank, as vLLM binds one per engine), named by the replica's
     ``/kv_event_sources`` in ``shape`` (``by-rank`` or ``list``) with ``extra`` entries beside them; a
     follower under a supervisor, once every rank subscribed."""
     context = zmq.asyncio.Context()
     pubs: list[zmq.asyncio.Socket] = []
-    base = free_port()
-    for rank in range(count):
+    for _ in range(count):
         pub = context.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(f"tcp://127.0.0.1:{base + rank}")  # free_port's neighbour: taken is a rare retry
+        pub.bind(f"tcp://127.0.0.1:{free_port()}")
         pubs.append(pub)
+    ports = [pub.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2] for pub in pubs]
     if shape == "by-rank":
-        answer: object = {str(rank): config(f"tcp://*:{base + rank}") for rank in range(count)}
+        answer: object = {str(rank): config(f"tcp://*:{port}") for rank, port in enumerate(ports)}
     else:
-        answer = [listed(rank, f"tcp://*:{base + rank}") for rank in range(count)] + (extra or [])
+        answer = [listed(rank, f"tcp://*:{port}") for rank, port in enumerate(ports)] + (extra or [])
 
     async def sources(request: web.Request) -> web.Response:
         return web.json_response(answer)
@@ -230,4 +230,31 @@ async def test_a_publisher_that_never_answers_is_unavailable() -> None:
                 assert follower.state()[0] == "unavailable"
                 assert follower.health()["ranks"] == {"0": "connecting"}
     finally:
+        context.destroy(linger=0)
+
+
+async def test_configured_endpoints_are_the_replicas_ranks_in_order() -> None:
+    """``kv_event_endpoints`` naming one replica twice: its ranks 0 and 1, each followed into its view."""
+    context = zmq.asyncio.Context()
+    pubs = []
+    for _ in range(2):
+        pub = context.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{free_port()}")
+        pubs.append(pub)
+    endpoints = [Endpoints(pub.getsockopt_string(zmq.LAST_ENDPOINT), None, "kv") for pub in pubs]
+    index, url = PreciseIndex(100), "http://127.0.0.1:9"
+    try:
+        async with aiohttp.ClientSession() as session:
+            follower = KvFollower(Replica(url), index, session, Metrics(), context, endpoints=endpoints)
+            async with Supervisor().run("kv-events:r0", follower.run, period=PERIOD_S, required=False):
+                for pub in pubs:
+                    assert await pub.poll(10_000), "subscribed"
+                    assert await pub.recv() == b"\x01kv"
+                await pubs[1].send_multipart(captured("map_frames.json")[0])
+                await eventually(lambda: index.blocks(url, 1) == 3, "rank 1's blocks in rank 1's view")
+                assert follower.health()["ranks"] == {"0": "following", "1": "following"}
+    finally:
+        for pub in pubs:
+            pub.close()
         context.destroy(linger=0)
