@@ -61,6 +61,10 @@ STATES = ("following", "partial", "lost", "unavailable")
 """A replica's KV events on ``/healthz`` and in ``kvgate_kv_events_state``: every rank followed; some
 (the others lost, not reachable, or their entries skipped); none, after following (the stream was lost:
 the views are emptied); none (no sources, a bad answer, no publisher answering)."""
+ROUTING = {"following": "exact", "partial": "degraded", "lost": "predicted", "unavailable": "predicted"}
+"""How far routing can trust a replica's view, by its state (after vllm-project/router RFC #294): every
+rank's blocks; some ranks' only (the others' prefixes are missed, never claimed); none (the predicted
+index routes it)."""
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
@@ -122,13 +126,15 @@ class KvFollower:
         return ("lost" if lost else "unavailable"), why
 
     def health(self) -> dict[str, object]:
-        """For ``/healthz``: the state of the replica's events and why, each rank's, how long since the
-        last batch, the blocks its view holds, and the last failure. Informational: a replica without a
-        view is routed by the predicted index, never by a stale view (a lost stream's view is emptied)."""
+        """For ``/healthz``: the state of the replica's events and why, the routing trust it gives
+        (``ROUTING``), each rank's state, how long since the last batch, the blocks its view holds, and
+        the last failure. Informational: a replica without a view is routed by the predicted index,
+        never by a stale view (a lost stream's view is emptied)."""
         state, reason = self.state()
         since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
         return {
             "state": state,
+            "routing": ROUTING[state],
             **({"reason": reason} if reason else {}),
             "ranks": {str(s.rank): s.state for s in self.streams.values()},
             "last_batch_s_ago": since,

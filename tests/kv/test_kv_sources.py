@@ -159,6 +159,7 @@ async def test_every_rank_is_followed_and_its_blocks_count_for_the_replica(shape
     async with ranks(shape) as r:
         await eventually(lambda: r.state() == "following", "both ranks connected")
         assert r.follower.health()["ranks"] == {"0": "following", "1": "following"}
+        assert r.follower.health()["routing"] == "exact"
         assert (r.gauge("following"), r.gauge("partial"), r.gauge("unavailable")) == (1.0, 0.0, 0.0)
         await r.pubs[0].send_multipart(frames[0])  # rank 0: the base prompt's 3 blocks
         for message in frames[:3]:  # rank 1, its own sequence from 0: the base's and the LoRA blocks
@@ -179,7 +180,7 @@ async def test_a_lost_rank_empties_its_blocks_only_and_shows_on_health_and_metri
         r.pubs[1].close()  # rank 1's engine goes away: its connection drops
         await eventually(lambda: r.state() == "partial", "rank 1 is lost, rank 0 still followed")
         health = r.follower.health()
-        assert health["ranks"] == {"0": "following", "1": "lost"}
+        assert (health["ranks"], health["routing"]) == ({"0": "following", "1": "lost"}, "degraded")
         assert "rank 1: its publisher disconnected" in str(health["reason"])
         assert (r.index.blocks(r.url, 0), r.index.blocks(r.url, 1)) == (3, 0), "never claims rank 1's"
         assert r.index.matched(lora_keys(), r.url) == 0
@@ -192,6 +193,7 @@ async def test_a_lost_rank_empties_its_blocks_only_and_shows_on_health_and_metri
         await eventually(lambda: r.state() == "lost", "no rank left")
         assert r.index.blocks(r.url) == 0
         assert r.gauge("lost") == 1.0
+        assert r.follower.health()["routing"] == "predicted"
 
 
 async def test_a_malformed_entry_beside_a_good_one_is_skipped_counted_and_shown() -> None:
