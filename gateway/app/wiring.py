@@ -63,7 +63,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.follower import followers_health, precise_parts
+from gateway.kv.follower import STATES, followers_health, precise_parts
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
@@ -220,9 +220,10 @@ def local_health(app: web.Application) -> Health:
     failing = add_tasks(views, app[SUPERVISOR])  # a task that keeps failing: its state no longer moves
     unready += [f"background task {name} keeps failing" for name in failing]
     followers = app.get(KV_FOLLOWERS, {})
-    following = sum(1 for follower in followers.values() if follower.connected)
+    states = [follower.state()[0] for follower in followers.values()]
+    counts = {"streams": len(followers), **{state: states.count(state) for state in STATES}}
     streams = followers_health(followers, app[PROXY].replica_names)  # names replicas, with their errors
-    views.add("kv_events", {"streams": len(followers), "following": following}, detail=streams)
+    views.add("kv_events", counts, detail=streams)
     views.add("unready", unready)
     return Health(not unready, views.public, views.detail)
 

@@ -2,20 +2,23 @@
 
 One ``KvFollower`` per replica, each a supervised task (``kv-events:<replica id>``): each ``run()`` is one
 attempt, and the supervisor restarts a failed one with its backoff (``tasks.supervisor``). It finds the
-replica's publisher from ``GET /kv_event_sources`` (``*`` or ``0.0.0.0`` in vLLM's endpoint means the
-replica's own host; an endpoint on any other host, or not ``tcp://``, is refused and never connected; an
-explicit endpoint in the settings overrides it and may be anywhere), subscribes, and applies each batch to
-that replica's view (``kv.index``). Messages are decoded one at a time at the boundary (``kv.events``): a
-malformed one is counted and skipped. Sequence numbers are checked: a gap is repaired through vLLM's replay
-socket when there is one, else the replica's view is emptied and re-learned from what follows; a sequence
-that goes back means the publisher restarted (the view is emptied too). The view is also emptied when kvgate
-sees the replica restart (its ``incarnation`` moves), when the follower loses the stream, and when kvgate
-purges the replica's cache itself (``cleared``): vLLM reports ``AllBlocksCleared`` only with the next engine
-step, so a purge must not wait for it. Any other failure ends the attempt: counted per replica
+replica's publishers from ``GET /kv_event_sources``, one per data-parallel rank (``kv.sources``: both
+answer shapes, a malformed entry skipped and counted, only the replica's own host followed; an explicit
+endpoint in the settings overrides it and may be anywhere), subscribes to every rank's, and applies each
+rank's batches to that rank's view of the replica (``kv.index``: the replica holds what any of its ranks
+holds). Messages are decoded one at a time at the boundary (``kv.events``): a malformed one is counted and
+skipped. Sequence numbers are checked per rank: a gap is repaired through the rank's replay socket when
+there is one, else that rank's view is emptied and re-learned from what follows; a sequence that goes
+back means the publisher restarted (its view is emptied too), and so does a rank whose publisher
+disconnects (ZMQ's socket monitor; its events meanwhile are lost). The whole view is emptied when kvgate
+sees the replica restart (its ``incarnation`` moves), when an attempt that was following fails, and when
+kvgate purges the replica's cache itself (``cleared``): vLLM reports ``AllBlocksCleared`` only with the
+next engine step, so a purge must not wait for it. Any other failure ends the attempt: counted per replica
 (``kvgate_kv_event_follower_errors_total``, ``last_error``), and by the supervisor, which logs it, shows it
-on ``/healthz`` (``background``) and starts the next attempt (discovery again, a fresh subscription) after
-its backoff. A follower that keeps failing never fails readiness: meanwhile the predicted index routes that
-replica.
+on ``/healthz`` (``background``) and starts the next attempt (discovery again, fresh subscriptions) after
+its backoff. Whether a replica's events are followed is its ``state()`` (``STATES``), on ``/healthz`` with
+its reason and in ``kvgate_kv_events_state{replica,state}``. A follower that keeps failing never fails
+readiness: meanwhile the predicted index routes that replica.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import aiohttp
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.core.errors import KvgateError, MalformedEvent
 from gateway.core.wire import replica_id
@@ -43,79 +46,43 @@ from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.kv.events import Batch, decode_message, sequence
 from gateway.kv.index import PreciseIndex
 from gateway.kv.prompt_tokens import PromptTokens
+from gateway.kv.sources import SOURCES_PATH, Endpoints, Sources, parse_endpoint_setting, parse_sources
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-SOURCES_PATH = "/kv_event_sources"
-POLL_MS = 500  # how often the loop looks up from the socket (a replica restart, a cancellation)
+POLL_MS = 500  # how often the loop looks up from its sockets (a replica restart, a cancellation)
 REPLAY_TIMEOUT_S = 2.0
 REPLICA_ERRORS = (KvgateError, aiohttp.ClientError, OSError)  # a replica's fault: logged without a traceback
 PERIOD_S = 30.0  # the supervisor's period: an attempt that lasts this long works; restarts wait at most this
 _END_SEQ = -1
+STATES = ("following", "partial", "lost", "unavailable")
+"""A replica's KV events on ``/healthz`` and in ``kvgate_kv_events_state``: every rank followed; some
+(the others lost, not reachable, or their entries skipped); none, after following (the stream was lost:
+the views are emptied); none (no sources, a bad answer, no publisher answering)."""
+ROUTING = {"following": "exact", "partial": "degraded", "lost": "predicted", "unavailable": "predicted"}
+"""How far routing can trust a replica's view, by its state (after vllm-project/router RFC #294): every
+rank's blocks; some ranks' only (the others' prefixes are missed, never claimed); none (the predicted
+index routes it)."""
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    publisher: str
-    replay: str | None = None
-    topic: str = ""
+@dataclass(slots=True)
+class _Stream:
+    """One data-parallel rank's publisher, its subscription and where its sequence is."""
 
-
-def endpoints_from_sources(sources: object, replica_url: str) -> Endpoints:
-    """The publisher of data-parallel rank 0 from vLLM's ``/kv_event_sources`` answer, with a wildcard
-    host replaced by the replica's own. Only a ``tcp://`` endpoint on the replica's own host is
-    followed: any other (another host, an ``ipc://`` path on kvgate's host) is a ``MalformedEvent``,
-    never connected; ``kv_event_endpoints`` names a publisher elsewhere."""
-    if not isinstance(sources, dict) or not sources:
-        raise MalformedEvent(f"{SOURCES_PATH} answered no event sources")
-    config = sources.get("0", next(iter(sources.values())))
-    if not isinstance(config, dict) or config.get("enable_kv_cache_events") is not True:
-        raise MalformedEvent(f"{replica_url} does not publish KV events (start it with --kv-events-config)")
-    if config.get("publisher") != "zmq" or not isinstance(config.get("endpoint"), str):
-        raise MalformedEvent(f"{replica_url} publishes KV events with {config.get('publisher')!r}, not zmq")
-    replay = config.get("replay_endpoint")
-    topic = config.get("topic") or ""
-    host = urlsplit(replica_url).hostname or "127.0.0.1"
-    return Endpoints(
-        _own_host(config["endpoint"], host),
-        _own_host(replay, host) if isinstance(replay, str) and replay else None,
-        topic if isinstance(topic, str) else "",
-    )
-
-
-def _own_host(endpoint: str, host: str) -> str:
-    """``tcp://ADDRESS:PORT`` with ADDRESS the replica's host or a wildcard (made the replica's host)."""
-    scheme, sep, rest = endpoint.partition("://")
-    address, _, port = rest.rpartition(":")
-    if address in ("*", "0.0.0.0", "[::]", "::"):
-        address = host
-    if scheme != "tcp" or not sep or address.strip("[]").lower() != host.lower() or not _is_port(port):
-        raise MalformedEvent(
-            f"refused {endpoint[:60]!r} from {SOURCES_PATH}: only tcp:// on the replica's own host "
-            f"({host}) is followed, or an endpoint set in kv_event_endpoints"
-        )
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def _is_port(text: str) -> bool:
-    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
-
-
-def parse_endpoint_setting(entry: str) -> tuple[str, Endpoints]:
-    """``REPLICA_URL=PUB_ENDPOINT[|REPLAY_ENDPOINT]`` (the ``kv_event_endpoints`` setting)."""
-    url, sep, rest = entry.partition("=")
-    publisher, _, replay = rest.partition("|")
-    if not sep or not url or not publisher.startswith(("tcp://", "ipc://")):
-        raise ValueError(
-            f"kv_event_endpoints entries are REPLICA_URL=tcp://HOST:PORT[|REPLAY], not {entry!r}"
-        )
-    return url.strip().rstrip("/"), Endpoints(publisher.strip(), replay.strip() or None)
+    rank: int
+    endpoints: Endpoints
+    socket: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    state: str = "connecting"  # connecting | following | lost
+    reason: str = "no answer from its publisher yet"
+    expected: int | None = None  # the next sequence number; None until a batch arrived
 
 
 class KvFollower:
-    """One replica's KV events, applied to its view in ``index``."""
+    """One replica's KV events (every data-parallel rank's), applied to its view in ``index``."""
 
     def __init__(
         self,
@@ -125,7 +92,7 @@ class KvFollower:
         metrics: Metrics,
         context: zmq.asyncio.Context,
         *,
-        endpoints: Endpoints | None = None,
+        endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.replica = replica
@@ -133,80 +100,136 @@ class KvFollower:
         self.session = session
         self.metrics = metrics
         self.context = context
-        self.configured = endpoints
+        self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
-        self.endpoints: Endpoints | None = None
-        self.expected: int | None = None  # the next sequence number; None until a batch arrived
+        self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
+        self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
         self.incarnation = replica.incarnation
-        self.connected = False
+        self.lost = ""  # why the last attempt, which had followed, ended ("" once another starts)
         self.last_batch: float | None = None  # monotonic time of the last batch applied
         self.last_error = ""
 
+    def state(self) -> tuple[str, str]:
+        """One of ``STATES`` and why (empty when every rank is followed)."""
+        if not self.streams:
+            if self.lost:
+                return "lost", self.lost
+            return "unavailable", self.last_error or "not discovered yet"
+        behind = [f"rank {s.rank}: {s.reason}" for s in self.streams.values() if s.state != "following"]
+        why = "; ".join([*behind, *(f"skipped a source: {reason}" for reason in self.skipped)])
+        following = len(self.streams) - len(behind)
+        if following and not why:
+            return "following", ""
+        if following:
+            return "partial", why
+        lost = any(s.state == "lost" for s in self.streams.values())
+        return ("lost" if lost else "unavailable"), why
+
     def health(self) -> dict[str, object]:
-        """For ``/healthz``: whether the stream is followed, how long since its last batch, the blocks its
-        view holds, and the last failure. Informational: a replica without a view is routed by the
-        predicted index, never by a stale view (the view is emptied when its stream is lost)."""
+        """For ``/healthz``: the state of the replica's events and why, the routing trust it gives
+        (``ROUTING``), each rank's state, how long since the last batch, the blocks its view holds, and
+        the last failure. Informational: a replica without a view is routed by the predicted index,
+        never by a stale view (a lost stream's view is emptied)."""
+        state, reason = self.state()
         since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
         return {
-            "following": self.connected,
+            "state": state,
+            "routing": ROUTING[state],
+            **({"reason": reason} if reason else {}),
+            "ranks": {str(s.rank): s.state for s in self.streams.values()},
             "last_batch_s_ago": since,
             "blocks": self.index.blocks(self.replica.url),
             **({"last_error": self.last_error} if self.last_error else {}),
         }
 
-    def cleared(self, reason: str) -> None:
-        """Empty this replica's view (it restarted, was purged, or events were lost)."""
-        self.index.clear(self.replica.url)
+    def cleared(self, reason: str, rank: int | None = None) -> None:
+        """Empty this replica's view, or one rank's (it restarted, was purged, or events were lost)."""
+        self.index.clear(self.replica.url, rank)
         self.metrics.kv_view_resets.labels(self.replica.url, reason).inc()
 
     async def run(self) -> None:
-        """One attempt: find the publisher, subscribe, follow until cancelled. A failure is recorded
-        (counted, ``last_error``), empties the view (events may have been missed meanwhile) and is raised
-        for the supervisor, which starts the next attempt."""
+        """One attempt: find the publishers, subscribe to each, follow until cancelled. A failure is
+        recorded (counted, ``last_error``), empties the view (events may have been missed meanwhile) and
+        is raised for the supervisor, which starts the next attempt."""
         try:
             await self._follow()
         except Exception as exc:  # a cancellation (BaseException) just ends the attempt
             raise_if_cancelling(exc)
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             self.metrics.kv_event_errors.labels(self.replica.url).inc()
-            if self.connected:
+            self.lost = ""
+            if any(s.state == "following" for s in self.streams.values()):
+                self.lost = f"stream lost: {self.last_error}"
                 self.cleared("stream lost")
             raise
         finally:
-            self.connected = False
-            self.expected = None
+            self.streams = {}
 
     async def _follow(self) -> None:
-        self.endpoints = self.configured or await self._discover()
-        socket = self.context.socket(zmq.SUB)
+        sources = self.configured or await self._discover()
+        self.skipped, self.lost = sources.skipped, ""
+        poller = zmq.asyncio.Poller()
         try:
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
-            socket.connect(self.endpoints.publisher)
-            self.connected = True
-            log.info("following KV events of %s at %s", self.replica.url, self.endpoints.publisher)
+            for rank, endpoints in sources.ranks.items():
+                socket = self.context.socket(zmq.SUB)
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.SUBSCRIBE, endpoints.topic.encode())
+                monitor = socket.get_monitor_socket(_MONITORED)
+                self.streams[rank] = stream = _Stream(rank, endpoints, socket, monitor)
+                socket.connect(endpoints.publisher)
+                poller.register(socket, zmq.POLLIN)
+                poller.register(monitor, zmq.POLLIN)
+            log.info("following KV events of %s at %s", self.replica.url,
+                     ", ".join(s.endpoints.publisher for s in self.streams.values()))  # fmt: skip
             while True:
                 self._check_restart()
-                if await socket.poll(POLL_MS):
-                    await self.receive(await socket.recv_multipart())
+                ready = dict(await poller.poll(POLL_MS))
+                for stream in list(self.streams.values()):
+                    if stream.monitor in ready:
+                        self._watch(stream, await stream.monitor.recv_multipart())
+                    if stream.socket in ready:
+                        await self.receive(await stream.socket.recv_multipart(), stream.rank)
         finally:
-            socket.close()
+            for stream in self.streams.values():
+                stream.socket.disable_monitor()
+                stream.monitor.close()
+                stream.socket.close()
+
+    def _watch(self, stream: _Stream, frames: list[bytes]) -> None:
+        """A connection event of one rank's subscription: connected (followed), disconnected (its view
+        is emptied: what it published meanwhile is lost), or a connect attempt that got no answer."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            stream.state, stream.reason = "following", ""
+        elif event == zmq.EVENT_DISCONNECTED and stream.state == "following":
+            stream.state, stream.reason = "lost", "its publisher disconnected (view emptied)"
+            stream.expected = None
+            log.warning("KV events of %s, rank %d: publisher disconnected", self.replica.url, stream.rank)
+            self.cleared("stream lost", stream.rank)
+        elif event == zmq.EVENT_CONNECT_RETRIED and stream.state == "connecting":
+            stream.reason = f"no answer from {stream.endpoints.publisher}"
 
     def _check_restart(self) -> None:
         if self.replica.incarnation != self.incarnation:
             self.incarnation = self.replica.incarnation
             self.cleared("replica restarted")
-            self.expected = None
+            for stream in self.streams.values():
+                stream.expected = None
 
-    async def _discover(self) -> Endpoints:
+    async def _discover(self) -> Sources:
         async with self.session.get(self.replica.url + SOURCES_PATH) as response:
             if response.status != 200:
                 raise MalformedEvent(f"{self.replica.url}{SOURCES_PATH} answered {response.status}")
-            sources = answers.json_of(await response.read())  # MalformedAnswer: not UTF-8 JSON
-        return endpoints_from_sources(sources, self.replica.url)
+            answer = answers.json_of(await response.read())  # MalformedAnswer: not UTF-8 JSON
+        sources = parse_sources(answer, self.replica.url)
+        if sources.skipped:
+            self.metrics.kv_event_sources_skipped.labels(self.replica.url).inc(len(sources.skipped))
+            log.warning("KV event sources of %s: skipped %d: %s", self.replica.url, len(sources.skipped),
+                        "; ".join(sources.skipped[:3]))  # fmt: skip
+        return sources
 
-    async def receive(self, frames: list[bytes]) -> None:
-        """One message from the publisher: decoded, checked against the sequence, applied."""
+    async def receive(self, frames: list[bytes], rank: int = 0) -> None:
+        """One message from a rank's publisher: decoded, checked against its sequence, applied."""
         url = self.replica.url
         try:
             batch = decode_message(frames)
@@ -214,16 +237,18 @@ class KvFollower:
             self.metrics.kv_event_malformed.labels(url).inc()
             log.warning("KV events of %s: skipped a malformed message: %s", url, exc.message)
             return
-        expected = self.expected
-        if expected is not None and batch.seq != expected:
+        stream = self.streams.get(rank)
+        expected = None if stream is None else stream.expected
+        if stream is not None and expected is not None and batch.seq != expected:
             self.metrics.kv_event_gaps.labels(url).inc()
-            if batch.seq < expected or not await self._replay(expected, batch.seq):
+            if batch.seq < expected or not await self._replay(stream, expected, batch.seq):
                 reason = "publisher restarted" if batch.seq < expected else "events lost"
-                log.warning("KV events of %s: expected %d, got %d: %s", url, expected, batch.seq, reason)
-                self.cleared(reason)
-        self._apply(batch)
+                log.warning("KV events of %s, rank %d: expected %d, got %d: %s", url, rank, expected,
+                            batch.seq, reason)  # fmt: skip
+                self.cleared(reason, rank)
+        self._apply(batch, rank)
 
-    def _apply(self, batch: Batch) -> None:
+    def _apply(self, batch: Batch, rank: int) -> None:
         url = self.replica.url
         if batch.malformed:
             self.metrics.kv_event_malformed.labels(url).inc(batch.malformed)
@@ -236,23 +261,26 @@ class KvFollower:
             kinds[kind] = kinds.get(kind, 0) + 1
         for kind, count in kinds.items():
             self.metrics.kv_events.labels(url, kind).inc(count)
-        self.index.apply(url, batch.events)
+        self.index.apply(url, batch.events, rank)
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
-        self.expected = batch.seq + 1
+        stream = self.streams.get(rank)
+        if stream is not None:
+            stream.expected = batch.seq + 1
+            stream.state, stream.reason = "following", ""  # a batch arrived: connected, whatever was seen
         self.last_batch, self.last_error = time.monotonic(), ""
 
-    async def _replay(self, start: int, stop: int) -> bool:
-        """Batches ``start`` .. ``stop - 1`` from the replay socket, applied in order; False when there is
-        no replay socket or it could not give them all (the view is then re-learned)."""
+    async def _replay(self, stream: _Stream, start: int, stop: int) -> bool:
+        """Batches ``start`` .. ``stop - 1`` of one rank from its replay socket, applied in order; False
+        when there is no replay socket or it could not give them all (that rank's view is re-learned)."""
         url = self.replica.url
-        if self.endpoints is None or self.endpoints.replay is None:
+        if stream.endpoints.replay is None:
             self.metrics.kv_event_replays.labels(url, "no-replay-endpoint").inc()
             return False
         socket = self.context.socket(zmq.DEALER)
         got: list[Batch] = []
         try:
             socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self.endpoints.replay)
+            socket.connect(stream.endpoints.replay)
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             deadline = asyncio.get_running_loop().time() + REPLAY_TIMEOUT_S
             while True:
@@ -278,7 +306,7 @@ class KvFollower:
             self.metrics.kv_event_replays.labels(url, "incomplete").inc()
             return False
         for batch in got:
-            self._apply(batch)
+            self._apply(batch, stream.rank)
         self.metrics.kv_event_replays.labels(url, "repaired").inc()
         return True
 
@@ -307,6 +335,11 @@ def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, Promp
     return index, PromptTokens.from_path(tokenizer) if tokenizer is not None else None
 
 
+def in_state(follower: KvFollower, state: str) -> float:
+    """1 when the replica's KV events are in ``state``, else 0 (``kvgate_kv_events_state``)."""
+    return 1.0 if follower.state()[0] == state else 0.0
+
+
 @contextlib.asynccontextmanager
 async def follow_events(
     endpoint_settings: list[str],
@@ -323,14 +356,20 @@ async def follow_events(
     if index is None:
         yield {}
         return
-    configured = dict(parse_endpoint_setting(entry) for entry in endpoint_settings)
+    configured: dict[str, list[Endpoints]] = {}  # a replica's entries, in order: its ranks 0, 1, ...
+    for url, endpoints in map(parse_endpoint_setting, endpoint_settings):
+        configured.setdefault(url, []).append(endpoints)
     context = zmq.asyncio.Context()
     followers = {
-        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url))
+        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url, ()))
         for r in pool.replicas
     }
-    for url in followers:
+    for url, follower in followers.items():
         metrics.kv_view_blocks.labels(url).set_function(functools.partial(index.blocks, url))
+        for state in STATES:
+            metrics.kv_events_state.labels(url, state).set_function(
+                functools.partial(in_state, follower, state)
+            )
     if purger is not None:
         purger.on_purged = lambda replica: followers[replica.url].cleared("purged by kvgate")
     try:

@@ -11,8 +11,9 @@ way from its tokens, its versioned adapter name and the salt kvgate gives it, so
   no request kvgate keys has that salt;
 - blocks kvgate cannot key from tokens alone (multimodal or prompt-embedding extra keys) are skipped.
 
-Each replica has its own view, emptied on its restart, an ``AllBlocksCleared``, a purge kvgate made or
-an event gap (``clear``). The index holds at most ``capacity`` blocks over all views; past that the
+Each replica has its own view (one per data-parallel rank, each fed by that rank's events), emptied on
+its restart, a purge kvgate made (``clear``), and per rank on an ``AllBlocksCleared``, an event gap or a
+lost stream. The index holds at most ``capacity`` blocks over all views; past that the
 largest view loses its oldest blocks first (``loadtest/precise_index_memory.py`` measures the bytes).
 """
 
@@ -135,38 +136,47 @@ class _View:
 
 
 class PreciseIndex:
-    """Per-replica views of the blocks each replica holds, bounded to ``capacity`` blocks in all."""
+    """Per-replica views of the blocks each replica holds, bounded to ``capacity`` blocks in all.
+
+    A replica's view is one view per data-parallel rank (each rank is an engine with its own cache and
+    its own event stream): the replica holds a prefix when one of its ranks does, its blocks are those
+    of all its ranks, and one rank's view can be emptied alone (its stream was lost) without claiming or
+    dropping what the other ranks hold."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._views: dict[str, _View] = {}
+        self._views: dict[str, dict[int, _View]] = {}  # replica -> data-parallel rank -> its view
         self._size = 0
 
     def __len__(self) -> int:
         return self._size
 
-    def blocks(self, replica: str) -> int:
-        view = self._views.get(replica)
-        return len(view.by_hash) if view else 0
+    def blocks(self, replica: str, rank: int | None = None) -> int:
+        """The blocks a replica's view holds (of every rank, or of ``rank``)."""
+        views = self._views.get(replica, {})
+        return sum(len(v.by_hash) for r, v in views.items() if rank is None or r == rank)
 
     def block_size(self, replica: str) -> int | None:
-        view = self._views.get(replica)
-        return view.block_size if view else None
+        sizes = [v.block_size for v in self._views.get(replica, {}).values() if v.block_size is not None]
+        return sizes[0] if sizes else None
 
     def block_sizes(self) -> set[int]:
-        return {v.block_size for v in self._views.values() if v.block_size is not None}
+        return {
+            v.block_size for views in self._views.values() for v in views.values() if v.block_size is not None
+        }
 
     def matched(self, keys: Sequence[bytes], replica: str) -> int:
-        """How many leading blocks of ``keys`` the replica holds (by its events)."""
-        view = self._views.get(replica)
-        if view is None:
-            return 0
-        count = 0
-        for key in keys:
-            if key not in view.holds:
-                break
-            count += 1
-        return count
+        """How many leading blocks of ``keys`` the replica holds (by its events): the most any of its
+        ranks holds."""
+        best = 0
+        for view in self._views.get(replica, {}).values():
+            count = 0
+            for key in keys:
+                if key not in view.holds:
+                    break
+                count += 1
+            best = max(best, count)
+        return best
 
     def held_blocks(self, namespace: Namespace, tokens: Sequence[int]) -> Callable[[str], int]:
         """For one request, how many leading blocks of ``tokens`` (keyed in ``namespace``, the one its
@@ -184,16 +194,21 @@ class PreciseIndex:
 
         return held
 
-    def clear(self, replica: str) -> None:
-        """Empty one replica's view: it restarted, cleared its cache, was purged, or events were lost."""
-        view = self._views.pop(replica, None)
-        if view is not None:
-            self._size -= len(view.by_hash)
+    def clear(self, replica: str, rank: int | None = None) -> None:
+        """Empty one replica's view (every rank's, or ``rank``'s): it restarted, cleared its cache, was
+        purged, or events were lost."""
+        views = self._views.get(replica, {})
+        for r in [r for r in views if rank is None or r == rank]:
+            self._size -= len(views.pop(r).by_hash)
+        if not views:
+            self._views.pop(replica, None)
 
-    def apply(self, replica: str, events: Iterable[Event]) -> Applied:
-        view = self._views.get(replica)
+    def apply(self, replica: str, events: Iterable[Event], rank: int = 0) -> Applied:
+        """One batch of ``rank``'s events applied to that rank's view of ``replica``."""
+        views = self._views.setdefault(replica, {})
+        view = views.get(rank)
         if view is None:
-            view = self._views[replica] = _View()
+            view = views[rank] = _View()
         applied = Applied()
         for event in events:
             if isinstance(event, BlockStored):
@@ -237,6 +252,7 @@ class PreciseIndex:
 
     def _shrink(self) -> None:
         while self._size > self.capacity:
-            largest = max(self._views.values(), key=lambda v: len(v.by_hash))
+            views = (v for by_rank in self._views.values() for v in by_rank.values())
+            largest = max(views, key=lambda v: len(v.by_hash))
             largest.pop_oldest()
             self._size -= 1

@@ -173,12 +173,13 @@ class Settings(BaseSettings):
     prefix_index_entries: int = Field(100_000, ge=0)
     """Prefix block keys remembered (LRU) for routing warm requests to the replica that holds them."""
     kv_events: bool = False
-    """Follow each replica's KV cache events (vLLM ``--kv-events-config``; the endpoint from its
-    /kv_event_sources) and route on the blocks replicas report holding; needs ``tokenizer``."""
+    """Follow each replica's KV cache events (vLLM ``--kv-events-config``; every data-parallel rank's
+    publisher, from its /kv_event_sources) and route on the blocks replicas report holding; needs
+    ``tokenizer``."""
     kv_event_endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """``REPLICA_URL=tcp://HOST:PORT[|REPLAY_ENDPOINT]``: a replica's KV event publisher (and replay
-    socket), instead of what it reports at /kv_event_sources (flag: repeat it; environment:
-    comma-separated)."""
+    socket), instead of what it reports at /kv_event_sources; a replica named again is its next
+    data-parallel rank (flag: repeat it; environment: comma-separated)."""
     precise_index_entries: int = Field(1_000_000, ge=0)
     """Token blocks the precise prefix index (KV events) holds over all replicas; past it, the largest
     replica view loses its oldest blocks."""

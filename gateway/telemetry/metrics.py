@@ -97,6 +97,16 @@ class Metrics:
             "kvgate_kv_view_blocks", "Token blocks a replica holds by its KV events (the precise index)",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.kv_events_state = Gauge(
+            "kvgate_kv_events_state",
+            "1 for the state of a replica's KV events (following, partial, lost, unavailable), else 0",
+            ["replica", "state"], registry=r,
+        )  # fmt: skip
+        self.kv_event_sources_skipped = Counter(
+            "kvgate_kv_event_sources_skipped",
+            "Entries of a replica's /kv_event_sources answer left out (malformed, or not followable)",
+            ["replica"], registry=r,
+        )  # fmt: skip
         self.kv_event_errors = Counter(
             "kvgate_kv_event_follower_errors", "KV event follower failures (restarted after a pause)",
             ["replica"], registry=r,

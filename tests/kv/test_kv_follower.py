@@ -28,14 +28,9 @@ from aiohttp import web
 from gateway.core.errors import MalformedEvent
 from gateway.fleet.replicas import Replica
 from gateway.kv.events import BlockStored, decode_message
-from gateway.kv.follower import (
-    PERIOD_S,
-    Endpoints,
-    KvFollower,
-    endpoints_from_sources,
-    parse_endpoint_setting,
-)
+from gateway.kv.follower import PERIOD_S, KvFollower
 from gateway.kv.index import PreciseIndex, block_keys
+from gateway.kv.sources import Endpoints, parse_endpoint_setting, parse_sources
 from gateway.process.http_edge import free_port, running
 from gateway.request.status_page import kv_event_fields
 from gateway.tasks.supervisor import Supervisor
@@ -56,18 +51,22 @@ def lora_keys() -> list[bytes]:
     return block_keys(("t@1", "kvg-abc"), event.token_ids, 128)
 
 
+def rank0(answer: object, replica_url: str) -> Endpoints:
+    return parse_sources(answer, replica_url).ranks[0]
+
+
 def test_endpoints_from_the_captured_sources_answer() -> None:
     answer = {
         "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:18411",
               "replay_endpoint": "tcp://*:18412", "buffer_steps": 10000, "topic": "kv"},
     }  # fmt: skip
-    assert endpoints_from_sources(answer, "http://10.0.0.5:8000") == Endpoints(
+    assert rank0(answer, "http://10.0.0.5:8000") == Endpoints(
         "tcp://10.0.0.5:18411", "tcp://10.0.0.5:18412", "kv"
     )
     with pytest.raises(MalformedEvent, match="does not publish"):
-        endpoints_from_sources({"0": {"enable_kv_cache_events": False}}, URL)
+        rank0({"0": {"enable_kv_cache_events": False}}, URL)
     with pytest.raises(MalformedEvent):
-        endpoints_from_sources({}, URL)
+        rank0({}, URL)
     assert parse_endpoint_setting("http://r:8000/=tcp://h:1|tcp://h:2") == (
         "http://r:8000",
         Endpoints("tcp://h:1", "tcp://h:2"),
@@ -98,17 +97,15 @@ def test_an_event_source_off_the_replicas_own_host_is_refused(endpoint: str, rep
     with pytest.raises(
         MalformedEvent, match=r"only tcp:// on the replica's own host \(10.0.0.5\) is followed"
     ):
-        endpoints_from_sources(sources_answer(endpoint, replay), "http://10.0.0.5:8000")
+        rank0(sources_answer(endpoint, replay), "http://10.0.0.5:8000")
 
 
 def test_an_event_source_on_the_replicas_own_host_is_followed() -> None:
-    own = endpoints_from_sources(
-        sources_answer("tcp://10.0.0.5:1", "tcp://0.0.0.0:2"), "http://10.0.0.5:8000"
-    )
+    own = rank0(sources_answer("tcp://10.0.0.5:1", "tcp://0.0.0.0:2"), "http://10.0.0.5:8000")
     assert own == Endpoints("tcp://10.0.0.5:1", "tcp://10.0.0.5:2", "kv")
-    v6 = endpoints_from_sources(sources_answer("tcp://*:1", "tcp://[::1]:2"), "http://[::1]:8000")
+    v6 = rank0(sources_answer("tcp://*:1", "tcp://[::1]:2"), "http://[::1]:8000")
     assert v6 == Endpoints("tcp://[::1]:1", "tcp://[::1]:2", "kv")
-    named = endpoints_from_sources(sources_answer("tcp://Replica-0:1"), "http://replica-0:8000")
+    named = rank0(sources_answer("tcp://Replica-0:1"), "http://replica-0:8000")
     assert named == Endpoints("tcp://replica-0:1", None, "kv")
 
 
@@ -152,7 +149,7 @@ async def following(replay: list[list[bytes]] | None = None) -> AsyncIterator[Fo
     index, metrics, replica = PreciseIndex(10_000), Metrics(), Replica(URL)
     endpoints = Endpoints(endpoint, replay_endpoint, "kv")
     async with aiohttp.ClientSession() as session:
-        follower = KvFollower(replica, index, session, metrics, context, endpoints=endpoints)
+        follower = KvFollower(replica, index, session, metrics, context, endpoints=[endpoints])
         tasks.append(asyncio.create_task(follower.run()))
         try:
             assert await pub.poll(10_000), "the follower subscribed"
@@ -221,7 +218,7 @@ async def test_a_token_id_over_64_bits_is_one_malformed_event_and_the_stream_goe
         await eventually(lambda: f.count("kvgate_kv_events_total", kind="BlockStored") == 5, "seq 4")
         assert f.count("kvgate_kv_view_resets_total", reason="stream lost") == 0
         assert f.count("kvgate_kv_event_gaps_total") == 0
-        assert f.follower.health()["following"] is True
+        assert f.follower.health()["state"] == "following"
         assert "last_error" not in f.follower.health()
 
 
@@ -312,7 +309,7 @@ async def test_a_replica_without_event_sources_is_retried_until_it_has_them() ->
             follower = KvFollower(Replica(url), index, session, metrics, context)
             async with Supervisor().run("kv-events:r0", follower.run, period=PERIOD_S, required=False):
                 await eventually(lambda: bool(follower.health().get("last_error")), "a failure on /healthz")
-                assert follower.health()["following"] is False
+                assert follower.health()["state"] == "unavailable"
                 assert await pub.poll(20_000), "the follower subscribed in the end"
                 assert await pub.recv() == b"\x01kv"
                 assert follower_errors(metrics, url) == 2
@@ -320,7 +317,7 @@ async def test_a_replica_without_event_sources_is_retried_until_it_has_them() ->
                 await pub.send_multipart(captured("map_frames.json")[0])
                 await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")
                 health = follower.health()
-                assert (health["following"], health["blocks"], "last_error" in health) == (True, 3, False)
+                assert (health["state"], health["blocks"], "last_error" in health) == ("following", 3, False)
                 assert isinstance(health["last_batch_s_ago"], float)
 
 
@@ -391,7 +388,7 @@ async def test_a_replica_that_names_a_publisher_elsewhere_is_never_followed_ther
                 within=15,
             )
             health = follower.health()
-            assert health["following"] is False
+            assert health["state"] == "unavailable"
             assert "only tcp:// on the replica's own host (127.0.0.1) is followed" in str(
                 health["last_error"]
             )

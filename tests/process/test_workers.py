@@ -263,6 +263,9 @@ async def test_every_worker_follows_the_kv_events(tmp_path: Path, model_dir: Pat
                 each = [sample(own, blocks) for own in pages]
                 assert each[0] == each[1] > 0  # the same view of the replica in both workers
                 assert sample(page, blocks) == each[0]  # gauges: the largest, not the sum
+                state = 'kvgate_kv_events_state{{replica="{}",state="{}"}}'
+                assert sample(page, state.format(stub_url, "following")) == 1  # both workers follow it
+                assert sample(page, state.format(stub_url, "unavailable")) == 0
     finally:
         pub.close()
         context.term()

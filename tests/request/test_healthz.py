@@ -80,7 +80,13 @@ async def test_anonymous_healthz_names_no_replica_logical_id_or_key_id(
                 assert secret not in text, f"anonymous /healthz names {secret!r}: {text}"
             assert public["table"]["malformed_rows"] == 1
             assert public["api_keys"]["malformed"] == 1
-            assert public["kv_events"] == {"streams": 2, "following": 0}
+            # neither replica's events can be followed (the stub has no /kv_event_sources, the other
+            # refuses): both unavailable, counted here, with the reason per replica in the detail view
+            counts = {"streams": 2, "following": 0, "partial": 0, "lost": 0, "unavailable": 2}
+            assert public["kv_events"] == counts
+            _, detail = await healthz(url, ADMIN)
+            assert {stream["state"] for stream in detail["kv_events"].values()} == {"unavailable"}
+            assert all(stream["reason"] for stream in detail["kv_events"].values())
             assert public["replicas_healthy"] == 1
             assert public["unready"] == []
             _, guessed = await healthz(url, "not-the-token")

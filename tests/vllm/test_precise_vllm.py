@@ -317,7 +317,7 @@ async def test_an_evicted_prefix_stops_attracting_requests(
         detail = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}  # each stream, named by replica: /healthz's detail view
         async with http.get(f"{gateway.url}/healthz", headers=detail) as response:
             followed = (await response.json())["kv_events"][small_replica.url]  # named by URL: exposed here
-        assert (followed["following"], followed["blocks"] >= 3) == (True, True)
+        assert (followed["state"], followed["blocks"] >= 3) == ("following", True)
         attracted = await complete(http, gateway.url, "base", text, max_tokens=1)
         assert attracted.evidence[REPLICA_HEADER] == small_replica.url
         assert attracted.evidence[PREFIX_MATCH_HEADER] == "precise:3"
