@@ -45,7 +45,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
+from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth, not_found
@@ -227,15 +227,21 @@ class Proxy:
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate has the tokenizer and follows
-        KV events (``request.tokens``); () otherwise, or when the request is not one it can reproduce."""
+        KV events (``request.tokens``); () otherwise, or when the request is not one it can reproduce exactly
+        (``Unrendered``, counted by its reason)."""
         tokenizer = self.options.tokens
         if tokenizer is None or self.scheduler.precise is None or not self.choosing:
             return ()
         if parsed.route.path == COMPLETIONS:
-            return tokenizer.completion(parsed.body) or ()
-        if parsed.route.path == CHAT_COMPLETIONS:
-            return tokenizer.chat(parsed.body) or ()
-        return ()
+            tokens = tokenizer.completion(parsed.body)
+        elif parsed.route.path == CHAT_COMPLETIONS:
+            tokens = tokenizer.chat(parsed.body)
+        else:
+            return ()
+        if isinstance(tokens, Unrendered):  # counted: this request is routed on the predicted index
+            self.metrics.child(self.metrics.prompt_unrendered, tokens.reason).inc()
+            return ()
+        return tokens
 
     # --- stage 3: schedule -----------------------------------------------------------------------
 
