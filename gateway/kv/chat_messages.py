@@ -80,8 +80,9 @@ def _message(message: object, wrap: bool) -> dict[str, Any]:
     texts = [text for text in (_part(part, wrap) for part in parts) if text]
     out: dict[str, Any] = {"role": role, "content": texts if wrap else "\n".join(texts)}  # type: ignore[arg-type]
     if role == "assistant":
-        if message.get("tool_calls") is not None:
-            out["tool_calls"] = _tool_calls(message["tool_calls"])
+        calls = _tool_calls(message.get("tool_calls"))
+        if calls:  # vLLM drops an empty list (the template takes the plain assistant path)
+            out["tool_calls"] = calls
         reasoning = message.get("reasoning")
         if reasoning is not None:
             if not isinstance(reasoning, str):
@@ -145,7 +146,9 @@ def _is_text(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") == "text"
 
 
-def _tool_calls(calls: object) -> list[dict[str, Any]] | None:
+def _tool_calls(calls: object) -> list[dict[str, Any]]:
+    if calls is None:
+        return []
     if not isinstance(calls, list):
         raise Unrenderable("tool-calls")
     out = []
