@@ -88,7 +88,13 @@ PARTS: list[dict[str, Any]] = [
 ]
 
 CASES: dict[str, list[dict[str, Any]]] = {
-    "dated": [{"messages": TURNS}, {"messages": TURNS[1:], "add_generation_prompt": False}],
+    "dated": [
+        {"messages": TURNS},
+        {"messages": TURNS[1:], "add_generation_prompt": False},
+        {
+            "messages": [*TURNS, {"role": "developer", "content": "A later rule."}]
+        },  # merged into the system one
+    ],
     "tojson": [{"messages": TURNS}, {"messages": [{"role": "user", "content": HTML, "name": "ünï"}]}],
     "parts": [{"messages": PARTS}, {"messages": PARTS[1:2], "add_generation_prompt": False}],
     "generation": [{"messages": TURNS}, {"messages": TURNS[:3], "add_generation_prompt": False}],
@@ -99,6 +105,7 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"messages": TURNS[:3], "add_generation_prompt": False, "continue_final_message": True},
         {"messages": TURNS, "chat_template_kwargs": {"persona": "You are terse & <strict>.", "unused": 1}},
         {"messages": PARTS},
+        {"messages": [{"role": "developer", "content": "Be brief."}, *TURNS[1:]]},
     ],
 }
 
