@@ -150,6 +150,28 @@ async def test_kvgate_tokens_equal_the_replicas_tokenize(
         assert ours == tuple(theirs), (template, body)
 
 
+@pytest.mark.parametrize("template", sorted(CASES))
+async def test_a_chat_completion_counts_the_tokens_kvgate_computed(
+    template: str,
+    vllm_replicas: list[VllmProcess],
+    http: aiohttp.ClientSession,
+    fixture_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """The chat route itself (not only /tokenize): its ``usage.prompt_tokens`` is kvgate's count."""
+    tokens = PromptTokens.from_path(tokenizer_dir(fixture_dir, template, tmp_path / template))
+    body = CASES[template][0]
+    ours = tokens.chat(body)
+    assert not isinstance(ours, Unrendered)
+    source = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    request = {"model": "base", **body, "chat_template": source, "max_tokens": 1, "temperature": 0}
+    if "tools" in body:
+        request["tool_choice"] = "none"  # the replicas run no tool parser
+    async with http.post(f"{vllm_replicas[1].url}/v1/chat/completions", json=request) as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["usage"]["prompt_tokens"] == len(ours)
+
+
 async def test_a_kvgate_with_a_generation_template_starts_and_keys_chat(
     make_gateway: GatewayFactory, http: aiohttp.ClientSession, fixture_dir: Path, tmp_path: Path
 ) -> None:
