@@ -107,7 +107,7 @@ def _part(part: object, wrap: bool) -> object:
     """One content part: its text (a string, or the wrapped dict), None when vLLM drops it."""
     if isinstance(part, str):
         return {"type": "text", "text": part} if wrap else part
-    if not isinstance(part, dict) or "uuid" in part:
+    if not isinstance(part, dict) or part.get("uuid") is not None:
         raise Unrenderable("content-part")
     kind = part.get("type")
     key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
