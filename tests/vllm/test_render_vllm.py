@@ -125,7 +125,7 @@ async def vllm_tokens(http: aiohttp.ClientSession, replica: VllmProcess, body: d
         return tokens
 
 
-def test_every_feature_has_a_template() -> None:
+async def test_every_feature_has_a_template() -> None:
     assert sorted(p.stem for p in TEMPLATES.glob("*.jinja")) == sorted(CASES)
 
 
