@@ -329,10 +329,20 @@ class PreciseSettings(Protocol):
 
 def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, PromptTokens | None]:
     """The precise index (``kv_events`` on) and the base model's tokenizer (``tokenizer`` set); a
-    tokenizer that cannot be read stops kvgate's start (config fails closed)."""
+    tokenizer that cannot be read stops kvgate's start (config fails closed); one whose chat prompts
+    cannot be rendered exactly (a template that does not compile, a processor's) is said at start."""
     index = PreciseIndex(settings.precise_index_entries) if settings.kv_events else None
-    tokenizer = settings.tokenizer
-    return index, PromptTokens.from_path(tokenizer) if tokenizer is not None else None
+    if settings.tokenizer is None:
+        return index, None
+    tokens = PromptTokens.from_path(settings.tokenizer)
+    if tokens.chat_problem is not None:
+        log.warning(
+            "chat prompts are routed on the predicted index: kvgate cannot render %s's chat template as "
+            "vLLM does (%s); completions are keyed by their tokens",
+            settings.tokenizer,
+            tokens.chat_problem,
+        )
+    return index, tokens
 
 
 def in_state(follower: KvFollower, state: str) -> float:

@@ -151,7 +151,12 @@ class Proxy:
             options.tokens if choosing and scheduler.precise is not None else None,
         )
         self.targeting = Targeting(  # stages 3 to 5
-            snapshot, pool, keying, base_model=options.base_model, base_identity=options.base_identity
+            snapshot,
+            pool,
+            keying,
+            metrics,
+            base_model=options.base_model,
+            base_identity=options.base_identity,
         )
         self.placement = Placement(pool, scheduler, loader, leases)  # stage 6, with the loader and leases
         self.upstream = Upstream(options.connect_timeout, options.read_timeout)  # stage 7's client

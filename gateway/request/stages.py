@@ -25,12 +25,12 @@ from gateway.core.prefix import BLOCK_CHARS, block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens
+from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
 from gateway.table.snapshot import Snapshot
-from gateway.telemetry.metrics import UNKNOWN
+from gateway.telemetry.metrics import UNKNOWN, Metrics
 
 
 @dataclass(slots=True)
@@ -65,11 +65,19 @@ class Targeting:
     """Stages 3 to 5 over this kvgate's snapshot and replica pool; ``keying`` fixed at start."""
 
     def __init__(
-        self, snapshot: Snapshot, pool: ReplicaPool, keying: Keying, *, base_model: str, base_identity: str
+        self,
+        snapshot: Snapshot,
+        pool: ReplicaPool,
+        keying: Keying,
+        metrics: Metrics,
+        *,
+        base_model: str,
+        base_identity: str,
     ) -> None:
         self.snapshot = snapshot
         self.pool = pool
         self.keying = keying
+        self.metrics = metrics
         self.base_model = base_model
         self.base_identity = base_identity
 
@@ -126,12 +134,18 @@ class Targeting:
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate tokenizes (``Keying``); ()
-        otherwise, or when the request is not one it can reproduce."""
+        otherwise, or when the request is not one it can reproduce exactly (``Unrendered``: counted by its
+        reason, and the request is routed on the predicted index)."""
         tokenizer = self.keying.tokens
         if tokenizer is None:
             return ()
         if parsed.route.path == COMPLETIONS:
-            return tokenizer.completion(parsed.body) or ()
-        if parsed.route.path == CHAT_COMPLETIONS:
-            return tokenizer.chat(parsed.body) or ()
-        return ()
+            tokens = tokenizer.completion(parsed.body)
+        elif parsed.route.path == CHAT_COMPLETIONS:
+            tokens = tokenizer.chat(parsed.body)
+        else:
+            return ()
+        if isinstance(tokens, Unrendered):
+            self.metrics.child(self.metrics.prompt_unrendered, tokens.reason).inc()
+            return ()
+        return tokens

@@ -71,6 +71,13 @@ class Metrics:
             ["replica", "kind"],
             registry=r,
         )
+        self.prompt_unrendered = Counter(
+            "kvgate_prompt_unrendered",
+            "Prompts kvgate could not tokenize exactly as the replica will (routed on the predicted index), "
+            "by reason",
+            ["reason"],
+            registry=r,
+        )
         self.kv_event_malformed = Counter(
             "kvgate_kv_events_malformed", "KV event messages or events that did not decode (skipped)",
             ["replica"], registry=r,

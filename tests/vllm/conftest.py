@@ -67,7 +67,12 @@ async def vllm_replicas(
     logs = tmp_path_factory.mktemp("vllm-logs")
     specs = [
         VllmReplicaSpec(
-            python, fixture_dir / "model", free_port(), logs / f"replica-{i}.log", extra_args=kv_events_args()
+            python,
+            fixture_dir / "model",
+            free_port(),
+            logs / f"replica-{i}.log",
+            # request templates: tests/vllm/test_render_vllm.py compares kvgate's tokens per template
+            extra_args=(*kv_events_args(), "--trust-request-chat-template"),
         )
         for i in (0, 1)
     ]
