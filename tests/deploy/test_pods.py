@@ -19,7 +19,8 @@ import pytest
 from scripts import images, kube_play, pod_scenario
 from tests.support.adapter_files import MakeAdapter
 
-pytestmark = pytest.mark.timeout(900)
+# one podman user at a time: builds and pods
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("podman")]
 ROOT = Path(__file__).resolve().parents[2]
 
 
