@@ -206,8 +206,10 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
     await kvgate_json(
         "publish", "precise-b", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
+    # B in one worker: each worker follows the events itself, and /metrics merges them (the largest view),
+    # so with two a request through B could reach the worker whose view is not the one waited for
     for name, value in {"KVGATE_KV_EVENTS": "true", "KVGATE_TOKENIZER": str(fixture_dir / "model"),
-                        "KVGATE_EXPOSE_REPLICA_URLS": "true"}.items():  # fmt: skip
+                        "KVGATE_EXPOSE_REPLICA_URLS": "true", "KVGATE_WORKERS": "1"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)  # B, a child process, reads them
     async with (
         make_gateway(**precise(fixture_dir)) as a,
