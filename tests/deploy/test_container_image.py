@@ -22,8 +22,7 @@ from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import eventually, until_healthy
 from tests.support.containers import KVGATE_UID, RESTRICTED, Pod, health, owned_dir, pod, podman
 
-# one podman user at a time: builds and pods
-pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("podman")]
+pytestmark = pytest.mark.timeout(900)
 TOKEN = "image-test-admin-token"
 
 

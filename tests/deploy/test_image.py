@@ -24,9 +24,6 @@ from gateway.table.redis_server import EmbeddedRedis
 from tests.support.conditions import eventually, until_healthy
 from tests.support.stub_backend import StubState, build_stub
 
-# its module fixture (a virtualenv with the wheel) built once, in one worker
-pytestmark = pytest.mark.xdist_group("test_image")
-
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 INSTALL = "deploy/image/install.sh"

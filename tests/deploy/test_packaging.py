@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 
-# its module fixture (the wheel) built once, in one worker
-pytestmark = pytest.mark.xdist_group("test_packaging")
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -19,8 +19,7 @@ import pytest
 from scripts import images, kube_play, pod_scenario
 from tests.support.adapter_files import MakeAdapter
 
-# one podman user at a time: builds and pods
-pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("podman")]
+pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -3,9 +3,8 @@
 ``make test`` builds the fixture and the vLLM virtualenv and passes their paths in
 ``KVGATE_VLLM_PYTHON`` and ``KVGATE_FIXTURE_DIR``. Without them these tests fail: they never skip.
 
-Under pytest-xdist (``make test`` runs ``-n``) every test here is in one group, ``vllm``: one worker runs
-them all, so the replicas start once, in that worker only. The largest group goes out first (xdist's
-``--loadscope-reorder``, on by default): the longest serial chain starts while the others take the rest.
+Under pytest-xdist (``make test`` runs ``-n``) every test here is in one group, ``vllm``
+(tests/support/xdist_groups.py): one worker runs them all, so the replicas start once, in that worker.
 """
 
 from __future__ import annotations
@@ -38,16 +37,6 @@ from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
 from tests.support.conditions import eventually
 from tests.support.redis_db import flushed_client
-
-HERE = Path(__file__).parent
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group off the marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests of this folder (the hook sees the whole session's items) in the ``vllm`` xdist group."""
-    for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
 def _required_path(variable: str) -> Path:
