@@ -79,7 +79,7 @@ typecheck: $(VENV)/.done
 	$(VENV)/bin/mypy
 
 # pytest on TEST_WORKERS xdist workers (most tests wait on processes and sockets: more workers than cores pay);
-# each xdist_group runs whole in one worker: the real-vLLM tests (tests/vllm/conftest.py), podman's, and the
+# each group of tests/support/xdist_groups.py runs whole in one worker: the real-vLLM tests, podman's, and the
 # modules whose module fixture builds something. The 20 slowest tests are listed at the end.
 TEST_WORKERS ?= 3
 test: setup lint typecheck
