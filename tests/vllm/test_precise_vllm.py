@@ -225,9 +225,12 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
             """One of B's samples for ``replica`` (0 when B has none yet), read off its ``/metrics``."""
             async with http.get(f"{b}/metrics", headers=admin) as response:
                 exposition = await response.text()
-            head = name + "{" + ",".join(f'{k}="{v}"' for k, v in {"replica": replica.url, **labels}.items())
-            found = [float(line.split()[-1]) for line in exposition.splitlines() if line.startswith(head)]
-            return found[0] if found else 0.0
+            wanted = {f'{k}="{v}"' for k, v in {"replica": replica.url, **labels}.items()}
+            for line in exposition.splitlines():  # labels in any order (the workers' merged page)
+                head, _, value = line.rpartition(" ")
+                if head.startswith(name + "{") and wanted <= set(head[len(name) + 1 : -1].split(",")):
+                    return float(value)
+            return 0.0
 
         held: dict[str, float] = {}
         for replica in vllm_replicas:  # B's SUB sockets have joined: events sent from now on reach B
