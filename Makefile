@@ -78,9 +78,16 @@ lint: $(VENV)/.done
 typecheck: $(VENV)/.done
 	$(VENV)/bin/mypy
 
+# pytest on TEST_WORKERS xdist workers (most tests wait on processes and sockets: more workers than cores pay);
+# each group of tests/support/xdist_groups.py runs whole in one worker: the real-vLLM tests, podman's, and the
+# modules whose module fixture builds something. The 20 slowest tests are listed at the end. A short basetemp
+# of its own (the shell's pid): xdist adds popen-gwN/ to every tmp_path, and a kvgate's unix sockets under
+# it went past AF_UNIX's 108 bytes.
+TEST_WORKERS ?= 3
 test: setup lint typecheck
 	KVGATE_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVGATE_FIXTURE_DIR=$(abspath $(FIXTURE_DIR)) \
-		KVGATE_OTHER_BASE_DIR=$(abspath $(OTHER_BASE)) $(VENV)/bin/pytest
+		KVGATE_OTHER_BASE_DIR=$(abspath $(OTHER_BASE)) $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup \
+		--durations 20 --basetemp /tmp/kvgate-test-$$$$
 
 demo: setup
 	$(VENV)/bin/kvgate demo --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \

@@ -20,6 +20,13 @@ from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import MakeAdapter, Publish
 from tests.support.redis_db import flushed_client
 from tests.support.s3_server import S3Server, environment, s3_server
+from tests.support.xdist_groups import make_scheduler
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: known only when it is installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``make test`` (xdist workers), each group of tests/support/xdist_groups.py in one worker."""
+    return make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -12,13 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 
 from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import MakeAdapter
+from tests.support.conditions import until_healthy
 from tests.support.stub_backend import StubState, build_stub
 
 
@@ -137,13 +136,7 @@ async def test_serve_runs_with_its_own_redis_and_stops_cleanly(
         server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
         try:
             url = f"http://127.0.0.1:{port}"
-            async with aiohttp.ClientSession() as http:
-                for _ in range(100):
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(f"{url}/healthz") as health:
-                            if health.status == 200:
-                                break
-                    await asyncio.sleep(0.1)
+            await until_healthy(url, within=60)
             async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
                 completion = await client.completions.create(model="tenant-42", prompt="p", max_tokens=1)
             assert completion.model == "tenant-42"

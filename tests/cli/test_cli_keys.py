@@ -4,7 +4,6 @@ admin surface on its own listener (real processes, the embedded Redis, the offic
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis
 from tests.cli.test_cli import kvgate, ok
 from tests.support.adapter_files import MakeAdapter
+from tests.support.conditions import until_healthy
 from tests.support.stub_backend import StubState, build_stub
 
 
@@ -99,13 +99,8 @@ async def serve_with_api_keys(make_adapter: MakeAdapter, data: Path) -> None:
         server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE, env=env)
         try:
             url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+            await until_healthy(admin, within=60)
             async with aiohttp.ClientSession() as http:
-                for _ in range(100):
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(f"{admin}/healthz") as health:
-                            if health.status == 200:
-                                break
-                    await asyncio.sleep(0.1)
                 token = {"x-kvgate-admin-token": "admin-secret"}
                 async with http.get(f"{url}/metrics") as response:
                     public_metrics = response.status

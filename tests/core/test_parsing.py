@@ -23,51 +23,57 @@ from tests.support.stub_backend import StubState
 PREFIX_CHARS = MAX_BLOCKS * BLOCK_CHARS
 
 
-@pytest.mark.parametrize("stream", ["true", "True", "1", 1, "yes", "on"])
+# Each test sends every value to one kvgate (in each shape): the values are independent requests, and a
+# kvgate per value (a `kvgate serve --workers 2` each, in that shape) cost seconds apiece.
+STREAMS = ["true", "True", "1", 1, "yes", "on"]
+NOT_STREAMS = ["false", "0", 0, "no", None, False]
+REFUSED = ["maybe", 2, [], {}, " true", 0.5]
+
+
 async def test_stream_given_as_a_string_or_number_streams_as_vllm_reads_it(
-    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, stream: object
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
 ) -> None:
     """vLLM's request model reads ``stream`` as a lax boolean: ``"true"`` streams, so kvgate must relay a
-    stream, chunk by chunk. The stub holds its stream after the first chunk: a relay that buffers the
+    stream, chunk by chunk. The stub holds each stream after the first chunk: a relay that buffers the
     whole answer never shows that chunk."""
-    hold = asyncio.Event()
-    async with kvgate(redis, tmp_path, make_adapter, StubState(hold=hold)) as edge:
-        body = {"model": "tenant-42", "prompt": "x", "stream": stream}
-        async with aiohttp.ClientSession() as http, http.post(edge.url + "/v1/completions", json=body) as r:
-            assert r.status == 200
-            assert r.content_type == "text/event-stream"
-            try:
-                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=10)
-            finally:
-                hold.set()  # whatever happened, let the stub finish its stream
-            rest = await r.read()
-    assert first.startswith(b'data: {"id"')
-    assert b'"model":"tenant-42"' in first
-    assert rest.rstrip().endswith(b"data: [DONE]")
+    stub = StubState()
+    async with kvgate(redis, tmp_path, make_adapter, stub) as edge, aiohttp.ClientSession() as http:
+        for stream in STREAMS:
+            stub.hold = hold = asyncio.Event()
+            body = {"model": "tenant-42", "prompt": "x", "stream": stream}
+            async with http.post(edge.url + "/v1/completions", json=body) as r:
+                assert (r.status, r.content_type) == (200, "text/event-stream"), stream
+                try:
+                    first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=10)
+                finally:
+                    hold.set()  # whatever happened, let the stub finish its stream
+                rest = await r.read()
+            assert first.startswith(b'data: {"id"'), stream
+            assert b'"model":"tenant-42"' in first, stream
+            assert rest.rstrip().endswith(b"data: [DONE]"), stream
 
 
-@pytest.mark.parametrize("stream", ["false", "0", 0, "no", None, False])
 async def test_stream_read_as_false_answers_one_json_body(
-    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, stream: object
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
 ) -> None:
-    async with kvgate(redis, tmp_path, make_adapter) as edge:
-        body = {"model": "tenant-42", "prompt": "x", "stream": stream}
-        async with aiohttp.ClientSession() as http, http.post(edge.url + "/v1/completions", json=body) as r:
-            assert r.status == 200
-            assert r.content_type == "application/json"
-            assert (await r.json())["model"] == "tenant-42"
+    async with kvgate(redis, tmp_path, make_adapter) as edge, aiohttp.ClientSession() as http:
+        for stream in NOT_STREAMS:
+            body = {"model": "tenant-42", "prompt": "x", "stream": stream}
+            async with http.post(edge.url + "/v1/completions", json=body) as r:
+                assert (r.status, r.content_type) == (200, "application/json"), stream
+                assert (await r.json())["model"] == "tenant-42", stream
 
 
-@pytest.mark.parametrize("stream", ["maybe", 2, [], {}, " true", 0.5])
 async def test_stream_vllm_would_refuse_is_a_400_naming_the_field(
-    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, stream: object
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
 ) -> None:
-    async with kvgate(redis, tmp_path, make_adapter) as edge:
-        body = {"model": "tenant-42", "prompt": "x", "stream": stream}
-        async with aiohttp.ClientSession() as http, http.post(edge.url + "/v1/completions", json=body) as r:
-            error = assert_openai_error(r.content_type, await r.read(), r.status)
-    assert (r.status, error["param"]) == (400, "stream")
-    assert edge.stub.received == []
+    async with kvgate(redis, tmp_path, make_adapter) as edge, aiohttp.ClientSession() as http:
+        for stream in REFUSED:
+            body = {"model": "tenant-42", "prompt": "x", "stream": stream}
+            async with http.post(edge.url + "/v1/completions", json=body) as r:
+                error = assert_openai_error(r.content_type, await r.read(), r.status)
+            assert (r.status, error["param"]) == (400, "stream"), stream
+        assert edge.stub.received == []
 
 
 def token_prompt(size: int, seed: int = 7) -> list[int]:

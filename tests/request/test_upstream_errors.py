@@ -174,13 +174,15 @@ async def test_a_load_whose_requests_all_left_fails_without_an_unretrieved_task(
         state.load_gate = asyncio.Event()
         async with gateway([stub_url]) as url:
             waiting = asyncio.create_task(complete(url, "tenant-42"))
-            await asyncio.sleep(0.5)  # the load is at the replica now, waiting at its gate
+            await eventually(lambda: state.load_requests == 1, "the load is at the replica, at its gate")
             waiting.cancel()  # the only client leaves: kvgate cancels its handler, the load goes on
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
             state.fail_loads = "disk gone"
             state.load_gate.set()
-            await asyncio.sleep(0.3)
+            await eventually(
+                lambda: "load of tenant-42@" in caplog.text, "the loader logged the load's failure"
+            )
             gc.collect()
             state.fail_loads = None
             assert (await complete(url, "tenant-42"))[0] == 200

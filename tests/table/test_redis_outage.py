@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +15,7 @@ from gateway.settings.model import Settings
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import MakeAdapter
+from tests.support.conditions import eventually
 from tests.support.stub_backend import StubState, build_stub
 
 
@@ -42,22 +42,22 @@ async def test_requests_keep_flowing_while_redis_is_down(make_adapter: MakeAdapt
                     assert response.status == 200  # loads v1 (the load lock needs Redis)
 
                 server.stop()
-                for _ in range(50):
-                    if (await health(http, url))["snapshot_flushed"]:
-                        break
-                    await asyncio.sleep(0.1)
-                assert (await health(http, url))["snapshot_flushed"] is True
+
+                async def flushed() -> bool:
+                    return bool((await health(http, url))["snapshot_flushed"])
+
+                await eventually(flushed, "the snapshot flushed when Redis went away")
                 for _ in range(5):
                     async with http.post(f"{url}/v1/completions", json=body) as response:
                         assert response.status == 200
                         assert response.headers["x-kvgate-version"] == published.name
 
                 server.start()  # same data directory: the append-only file brings the table back
-                for _ in range(100):
-                    if not (await health(http, url))["snapshot_flushed"]:
-                        break
-                    await asyncio.sleep(0.1)
-                assert (await health(http, url))["snapshot_flushed"] is False
+
+                async def confirmed() -> bool:
+                    return not await flushed()
+
+                await eventually(confirmed, "the snapshot confirmed again (the append-only file's table)")
                 async with http.post(f"{url}/v1/completions", json=body) as response:
                     assert response.status == 200
     finally:

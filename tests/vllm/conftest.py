@@ -2,6 +2,9 @@
 
 ``make test`` builds the fixture and the vLLM virtualenv and passes their paths in
 ``KVGATE_VLLM_PYTHON`` and ``KVGATE_FIXTURE_DIR``. Without them these tests fail: they never skip.
+
+Under pytest-xdist (``make test`` runs ``-n``) every test here is in one group, ``vllm``
+(tests/support/xdist_groups.py): one worker runs them all, so the replicas start once, in that worker.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from redis.asyncio import Redis
 
 from gateway.app.keys import ADMIN_LISTENER
 from gateway.app.wiring import build_app
+from gateway.core.wire import ADMIN_TOKEN_HEADER
 from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
 from gateway.process.http_edge import free_port, running
 from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
+from tests.support.conditions import eventually
 from tests.support.redis_db import flushed_client
 
 
@@ -170,6 +175,20 @@ async def kvgate_json(*args: str, redis_url: str, store: Path) -> dict[str, Any]
     assert code == 0, err
     result: dict[str, Any] = json.loads(out)
     return result
+
+
+async def until_serves(
+    http: aiohttp.ClientSession, url: str, logical_id: str, within: float = 10.0, **fields: object
+) -> None:
+    """Wait until the kvgate at ``url`` serves ``logical_id`` with these ``fields`` (``name=``, ``epoch=``:
+    its snapshot, as ``/kvgate/status`` shows it): a change's hint, or a reconcile, has reached it."""
+
+    async def serves() -> bool:
+        async with http.get(f"{url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}) as response:
+            version = (await response.json())["versions"].get(logical_id, {})
+        return all(version.get(field) == value for field, value in fields.items())
+
+    await eventually(serves, f"{url} serves {logical_id} with {fields}", within)
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> str:

@@ -7,7 +7,6 @@ response after the switch carries v1. v1 is unloaded once the drain grace has pa
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from gateway.dev.vllm_process import VllmProcess
 from gateway.fleet.backends import fetch_model_list
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json
+from tests.support.conditions import eventually
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, kvgate_json, until_serves
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 LOGICAL = "tenant-42"
@@ -42,7 +42,7 @@ async def test_new_version_is_coherent_on_every_replica(
     v1 = await kvgate_json(
         "publish", LOGICAL, str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
-    await asyncio.sleep(0.5)
+    await until_serves(http, url, LOGICAL, name=v1["name"])
 
     before: list[Sample] = []
     for replica in vllm_replicas:  # warm v1 on both replicas
@@ -61,7 +61,7 @@ async def test_new_version_is_coherent_on_every_replica(
     assert (v2["epoch"], v2["changed"]) == (2, True)
     assert v2["path"].startswith(str(store))
     assert v2["digest"] != v1["digest"]
-    await asyncio.sleep(0.5)  # the hint reaches the snapshot (the reconcile runs every 0.2 s anyway)
+    await until_serves(http, url, LOGICAL, name=v2["name"])  # the hint (or a reconcile) reaches the snapshot
 
     after: list[Sample] = []
     for replica in vllm_replicas:
@@ -80,12 +80,11 @@ async def test_new_version_is_coherent_on_every_replica(
     assert set(served) == {v2["name"]}, "no response after the switch may carry v1"
     assert {s.model for s in after} == {LOGICAL}
 
-    for _ in range(40):  # drain grace 1 s, then the sweeper unloads v1 everywhere
+    async def v1_unloaded() -> bool:
         loaded = [(await fetch_model_list(http, replica.url)).adapters for replica in vllm_replicas]
-        if all(v1["name"] not in names for names in loaded):
-            break
-        await asyncio.sleep(0.25)
-    assert all(v1["name"] not in names and v2["name"] in names for names in loaded)
+        return all(v1["name"] not in names and v2["name"] in names for names in loaded)
+
+    await eventually(v1_unloaded, "drain grace 1 s, then the sweeper unloads v1 everywhere")
 
     status = await kvgate_json("status", redis_url=redis_url, store=store)
     (row,) = status["logical_ids"]

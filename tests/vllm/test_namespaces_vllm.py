@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from gateway.proof.audit import GatewayTarget
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.callers import CallerTable
 from gateway.table.redis_server import EmbeddedRedis
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
+from tests.support.conditions import eventually
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json, until_serves
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -39,11 +39,8 @@ async def test_bump_misses_for_that_tenant_only_and_client_salts_are_ignored(
 
     bumped = await kvgate_json("bump", "tenant-a", redis_url=redis_url, store=store)
     assert bumped["epoch"] == 2
-    for _ in range(100):  # the hint reaches the snapshot
-        after_a = await complete(http, gateway.url, "tenant-a", prompt)
-        if after_a.evidence["x-kvgate-epoch"] == "2":
-            break
-        await asyncio.sleep(0.05)
+    await until_serves(http, gateway.url, "tenant-a", epoch=2)  # the hint reaches the snapshot
+    after_a = await complete(http, gateway.url, "tenant-a", prompt)
     assert after_a.evidence["x-kvgate-epoch"] == "2"
     assert after_a.cached_tokens == 0, "a bump is a new cache namespace: the next request misses"
     assert (await complete(http, gateway.url, "tenant-a", prompt)).cached_tokens >= 384
@@ -123,11 +120,7 @@ async def test_purge_all_resets_every_replica_after_an_update(
                 for r in vllm_replicas
             )
 
-        for _ in range(200):
-            if purged() >= len(vllm_replicas):
-                break
-            await asyncio.sleep(0.1)
-        assert purged() >= len(vllm_replicas)
+        await eventually(lambda: purged() >= len(vllm_replicas), "every replica purged", within=20)
         unrelated = await complete(http, url, "tenant-p", prompt)
         assert unrelated.cached_tokens == 0, "purge-all drops every tenant's prefix cache"
         assert (await complete(http, url, "tenant-p", prompt)).cached_tokens >= 384

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +12,8 @@ from gateway.core.wire import replica_id
 from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
+from tests.support.conditions import eventually
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json, until_serves
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -28,7 +28,7 @@ async def test_spans_and_metrics_after_real_traffic(
         redis_url=redis_server.url,
         store=gateway.store,
     )
-    await asyncio.sleep(0.5)
+    await until_serves(http, gateway.url, "tenant-9", name=published["name"])
     gateway.spans.clear()
     async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
         for _ in range(2):  # the second request is warm: routed by prefix, served from the cache
@@ -94,10 +94,10 @@ async def test_the_canary_audits_active_logical_ids(
             "verdict": "coherent",
         }
         registry = started.metrics.registry
-        for _ in range(120):
-            if registry.get_sample_value("kvgate_audit_verdicts_total", labels):
-                break
-            await asyncio.sleep(0.25)
-    assert (registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0) >= 1
+        await eventually(
+            lambda: (registry.get_sample_value("kvgate_audit_verdicts_total", labels) or 0) >= 1,
+            "the canary's coherent verdict on the replica that answered",
+            within=30,
+        )
     for verdict in ("incoherent-on-warm-hit", "replica-mismatch", "nondeterministic"):
         assert not registry.get_sample_value("kvgate_audit_verdicts_total", {**labels, "verdict": verdict})

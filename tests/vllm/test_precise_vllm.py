@@ -7,9 +7,11 @@ replica restart empties its view (and it is learned again), an evicted prefix st
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import inspect
+import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,48 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 
 def prompt(tag: str) -> str:
     return f"Precise routing case {tag}. " + long_prompt(15)  # about 460 tokens: 3 full blocks
+
+
+PROBES = itertools.count()
+
+
+async def until_followed(
+    http: aiohttp.ClientSession,
+    url: str,
+    replica: VllmProcess,
+    stored: Callable[[], float | Awaitable[float]],
+) -> int:
+    """Wait until ``replica``'s events reach a follower (``stored``: its BlockStored count for the replica).
+    ZMQ drops what a publisher sends before a SUB socket has joined, so until then a probe (a one-block
+    prompt of its own) goes through the kvgate at ``url`` to the replica, and its events are looked for.
+    Returns the number of probes sent (the blocks they left on the replica)."""
+
+    async def count() -> float:
+        seen = stored()
+        return await seen if inspect.isawaitable(seen) else seen
+
+    before, sent = await count(), 0
+
+    async def arrived() -> bool:
+        nonlocal sent
+        if await count() > before:
+            return True
+        probe = f"Probe {next(PROBES)}. " + long_prompt(5)  # about 160 tokens: one full block
+        await complete(http, url, "base", probe, max_tokens=1, headers=pin(replica))
+        sent += 1
+        return False
+
+    await eventually(arrived, f"{replica.url}'s KV events reach the follower", within=60)
+    return sent
+
+
+def stored_in(metrics: Metrics, replica: VllmProcess) -> Callable[[], float]:
+    """The BlockStored events an in-process kvgate's follower of ``replica`` has seen."""
+    return lambda: sample(metrics, "kvgate_kv_events_total", replica=replica.url, kind="BlockStored")
+
+
+def blocks_of(metrics: Metrics, replica: VllmProcess) -> float:
+    return sample(metrics, "kvgate_kv_view_blocks", replica=replica.url)
 
 
 async def vllm_tokens(http: aiohttp.ClientSession, replica: VllmProcess, body: dict[str, Any]) -> list[int]:
@@ -100,13 +144,12 @@ async def test_events_arrive_decode_and_a_version_never_counts_for_another(
         await eventually(
             lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) == 0, "followed"
         )
-        await asyncio.sleep(1.0)  # the SUB socket joins (ZMQ drops what a publisher sends before)
+        await until_followed(http, gateway.url, replica, stored_in(metrics, replica))
+        probed = blocks_of(metrics, replica)
         cold = await complete(http, gateway.url, "precise-v", text, max_tokens=2, headers=pin(replica))
         assert cold.cached_tokens == 0
         await eventually(
-            lambda: (
-                sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= cold.prompt_tokens // BLOCK
-            ),
+            lambda: blocks_of(metrics, replica) >= probed + cold.prompt_tokens // BLOCK,
             "the replica's BlockStored events reached kvgate's view of it",
         )
         assert sample(metrics, "kvgate_kv_events_total", replica=replica.url, kind="BlockStored") >= 1
@@ -163,8 +206,10 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
     await kvgate_json(
         "publish", "precise-b", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
+    # B in one worker: each worker follows the events itself, and /metrics merges them (the largest view),
+    # so with two a request through B could reach the worker whose view is not the one waited for
     for name, value in {"KVGATE_KV_EVENTS": "true", "KVGATE_TOKENIZER": str(fixture_dir / "model"),
-                        "KVGATE_EXPOSE_REPLICA_URLS": "true"}.items():  # fmt: skip
+                        "KVGATE_EXPOSE_REPLICA_URLS": "true", "KVGATE_WORKERS": "1"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)  # B, a child process, reads them
     async with (
         make_gateway(**precise(fixture_dir)) as a,
@@ -174,24 +219,32 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
             await complete(
                 http, a.url, "precise-b", prompt(f"load {replica.url}"), max_tokens=1, headers=pin(replica)
             )
-        await asyncio.sleep(1.0)  # B's SUB sockets have joined
+        admin = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+
+        async def b_sample(name: str, replica: VllmProcess, **labels: str) -> float:
+            """One of B's samples for ``replica`` (0 when B has none yet), read off its ``/metrics``."""
+            async with http.get(f"{b}/metrics", headers=admin) as response:
+                exposition = await response.text()
+            wanted = {f'{k}="{v}"' for k, v in {"replica": replica.url, **labels}.items()}
+            for line in exposition.splitlines():  # labels in any order (the workers' merged page)
+                head, _, value = line.rpartition(" ")
+                if head.startswith(name + "{") and wanted <= set(head[len(name) + 1 : -1].split(",")):
+                    return float(value)
+            return 0.0
+
+        held: dict[str, float] = {}
+        for replica in vllm_replicas:  # B's SUB sockets have joined: events sent from now on reach B
+            stored = functools.partial(b_sample, "kvgate_kv_events_total", replica, kind="BlockStored")
+            await until_followed(http, a.url, replica, stored)
+            held[replica.url] = await b_sample("kvgate_kv_view_blocks", replica)
         prompts = {prompt(f"b{i}"): vllm_replicas[i % 2] for i in range(4)}
         for text, replica in prompts.items():  # warmed through A, each on one replica
             warmed = await complete(http, a.url, "precise-b", text, max_tokens=1, headers=pin(replica))
             assert warmed.cached_tokens == 0
-        admin = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
 
         async def b_learned() -> bool:
-            async with http.get(f"{b}/metrics", headers=admin) as response:
-                text = await response.text()
-            return all(
-                any(
-                    line.startswith(f'kvgate_kv_view_blocks{{replica="{r.url}"}}')
-                    and float(line.split()[-1]) >= 6
-                    for line in text.splitlines()
-                )
-                for r in vllm_replicas
-            )
+            blocks = [await b_sample("kvgate_kv_view_blocks", r) for r in vllm_replicas]
+            return all(n >= held[r.url] + 6 for n, r in zip(blocks, vllm_replicas, strict=True))
 
         await eventually(b_learned, "B's views hold the blocks warmed through A", within=20)
         for text, replica in prompts.items():
@@ -215,11 +268,10 @@ async def test_a_replica_restart_empties_its_view_and_it_is_learned_again(
     text = prompt("restart")
     async with make_gateway(**precise(fixture_dir)) as gateway:
         metrics = gateway.metrics
-        await asyncio.sleep(1.0)
+        await until_followed(http, gateway.url, replica, stored_in(metrics, replica))
+        probed = blocks_of(metrics, replica)
         await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(replica))
-        await eventually(
-            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned"
-        )
+        await eventually(lambda: blocks_of(metrics, replica) >= probed + 3, "learned")
         await replica.stop()
         restarted = VllmProcess(replica.spec)
         vllm_replicas[index] = restarted  # the session fixture stops it at the end
@@ -234,12 +286,11 @@ async def test_a_replica_restart_empties_its_view_and_it_is_learned_again(
             for reason in ("replica restarted", "publisher restarted", "stream lost", "events lost")
         )
         assert resets >= 1
-        await asyncio.sleep(1.0)
+        await until_followed(http, gateway.url, restarted, stored_in(metrics, restarted))
+        probed = blocks_of(metrics, restarted)
         again = await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(restarted))
         assert again.cached_tokens == 0  # the restart really emptied the replica's cache
-        await eventually(
-            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned again"
-        )
+        await eventually(lambda: blocks_of(metrics, restarted) >= probed + 3, "learned again")
 
 
 async def test_a_purge_kvgate_made_empties_the_view_at_once_and_stops_attracting_requests(
@@ -257,11 +308,10 @@ async def test_a_purge_kvgate_made_empties_the_view_at_once_and_stops_attracting
     replica, text = vllm_replicas[0], prompt("purge")
     async with make_gateway(**precise(fixture_dir), invalidation="purge-all") as gateway:
         metrics = gateway.metrics
-        await asyncio.sleep(1.0)
+        await until_followed(http, gateway.url, replica, stored_in(metrics, replica))
+        probed = blocks_of(metrics, replica)
         await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(replica))
-        await eventually(
-            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=replica.url) >= 3, "learned"
-        )
+        await eventually(lambda: blocks_of(metrics, replica) >= probed + 3, "learned")
         assert (await complete(http, gateway.url, "base", text, max_tokens=1)).cached_tokens >= 3 * BLOCK
         await kvgate_json(
             "publish", "precise-p", str(fixture_dir / "adapters" / "v2"), redis_url=redis_url, store=store
@@ -309,11 +359,10 @@ async def test_an_evicted_prefix_stops_attracting_requests(
     # the predicted index off (0 entries): only the replicas' events can attract a request
     async with make_gateway(**precise(fixture_dir), replicas=replicas, prefix_index_entries=0) as gateway:
         metrics = gateway.metrics
-        await asyncio.sleep(1.0)
+        probes = await until_followed(http, gateway.url, small_replica, stored_in(metrics, small_replica))
+        probed = blocks_of(metrics, small_replica)
         await complete(http, gateway.url, "base", text, max_tokens=1, headers=pin(small_replica))
-        await eventually(
-            lambda: sample(metrics, "kvgate_kv_view_blocks", replica=small_replica.url) >= 3, "learned"
-        )
+        await eventually(lambda: blocks_of(metrics, small_replica) >= probed + 3, "learned")
         detail = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}  # each stream, named by replica: /healthz's detail view
         async with http.get(f"{gateway.url}/healthz", headers=detail) as response:
             followed = (await response.json())["kv_events"][small_replica.url]  # named by URL: exposed here
@@ -322,17 +371,19 @@ async def test_an_evicted_prefix_stops_attracting_requests(
         assert attracted.evidence[REPLICA_HEADER] == small_replica.url
         assert attracted.evidence[PREFIX_MATCH_HEADER] == "precise:3"
         assert attracted.cached_tokens >= 3 * BLOCK
+
+        def removed() -> float:
+            return sample(metrics, "kvgate_kv_events_total", replica=small_replica.url, kind="BlockRemoved")
+
+        # What the replica holds now is evicted first (least recently used): the view's blocks, and at most
+        # one a probe whose events were dropped (sent before the SUB socket joined). The fillers store 24
+        # blocks in a cache of 16: every one of those is evicted, and reported after it.
+        evicted = removed() + blocks_of(metrics, small_replica) + max(0, probes - probed)
         for i in range(8):  # 8 prompts of 4 blocks through a 16-block cache: the first prompt's are evicted
             await complete(
                 http, gateway.url, "base", prompt(f"filler {i}"), max_tokens=1, headers=pin(small_replica)
             )
-        await eventually(
-            lambda: (
-                sample(metrics, "kvgate_kv_events_total", replica=small_replica.url, kind="BlockRemoved") >= 3
-            ),
-            "the replica reported evictions",
-            within=20,
-        )
+        await eventually(lambda: removed() >= evicted, "the replica reported every older block evicted", 20)
         after = await complete(http, gateway.url, "base", text, max_tokens=1)
         assert after.evidence[PREFIX_MATCH_HEADER] == "none:0"  # nothing attracts it any more...
         assert after.cached_tokens == 0  # ...and nothing held it: the eviction was real
