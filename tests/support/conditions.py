@@ -23,7 +23,7 @@ async def eventually(check: Check, what: str, within: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def until_healthy(url: str, within: float = 10.0) -> None:
+async def until_healthy(url: str, within: float = 30.0) -> None:
     """Wait for a kvgate started as a process to answer ``/healthz`` with 200."""
     async with aiohttp.ClientSession() as http:
 
