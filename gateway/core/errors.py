@@ -312,3 +312,9 @@ class ReplicaStartError(KvgateError):
 class MalformedEvent(KvgateError):
     """A KV cache event (or the message carrying it) from a replica that is not what vLLM sends: counted
     and skipped at the boundary (``kv.events``), never stopping the subscriber."""
+
+
+class Unrenderable(KvgateError):
+    """A prompt kvgate cannot render exactly as vLLM would (``kv.chat_messages``, ``kv.prompt_tokens``; the
+    message is a short reason label). Never answered to a client: the request is counted under that reason
+    and routed on the predicted index."""

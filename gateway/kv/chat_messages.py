@@ -27,6 +27,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.core.errors import Unrenderable
 from gateway.kv.chat_template import ChatTemplate
 
 TEXT_PARTS = {
@@ -47,10 +48,6 @@ HF_NAMED_ARGUMENTS = frozenset(  # transformers' apply_chat_template parameters 
     | {"max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors", "self"}
     | {"tokenize", "tokenizer_kwargs", "tools", "truncation"}
 )
-
-
-class Unrenderable(ValueError):
-    """kvgate cannot render this request exactly as vLLM would (the reason is a short label)."""
 
 
 def conversation(messages: object, template: ChatTemplate) -> list[dict[str, Any]]:

@@ -36,7 +36,8 @@ from typing import Any, Literal
 import jinja2
 from tokenizers import Tokenizer
 
-from gateway.kv.chat_messages import Unrenderable, conversation, template_arguments, tools
+from gateway.core.errors import Unrenderable
+from gateway.kv.chat_messages import conversation, template_arguments, tools
 from gateway.kv.chat_template import ChatTemplate
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"  # the routes tokenized

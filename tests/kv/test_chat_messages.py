@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway.kv.chat_messages import Unrenderable, conversation, template_arguments, tools
+from gateway.core.errors import Unrenderable
+from gateway.kv.chat_messages import conversation, template_arguments, tools
 from gateway.kv.chat_template import ChatTemplate
 
 STRING = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
