@@ -40,6 +40,7 @@ from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
 
 SERVES_WITHIN_S = 60.0
+VLLM_STOPPING = "cannot schedule new futures after shutdown"  # vLLM 0.32's 500 as it stops
 """A kvgate started (or restarted) under load serves every version on both replicas within this: one
 poll, two cold probes per replica and, for a print that differs, the confirming ones (docs/architecture.md
 states the same bound)."""
@@ -62,8 +63,10 @@ async def base_load(http: aiohttp.ClientSession, urls: list[str]) -> AsyncIterat
             body = {"model": "base", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             try:
                 async with http.post(f"{url}/v1/completions", json=body) as response:
-                    await response.read()
-                    assert response.status == 200
+                    text = await response.text()
+                    if response.status == 500 and VLLM_STOPPING in text:  # its replica is stopping (the
+                        continue  # last phase): vLLM's engine refuses what arrives as it shuts down
+                    assert response.status == 200, text
                     answered[0] += 1
             except aiohttp.ClientConnectionError:  # its replica is restarting (the last phase): retry
                 await asyncio.sleep(0.5)

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from gateway.core.errors import AuditError
 from gateway.core.wire import (
     ADMIN_TOKEN_HEADER,
     PIN_HEADER,
@@ -81,7 +82,12 @@ async def until_followed(
         if await count() > before:
             return True
         probe = f"Probe {next(PROBES)}. " + long_prompt(5)  # about 160 tokens: one full block
-        await complete(http, url, "base", probe, max_tokens=1, headers=pin(replica))
+        try:
+            await complete(http, url, "base", probe, max_tokens=1, headers=pin(replica))
+        except AuditError as exc:  # a replica just (re)started: kvgate's poller has not seen it healthy yet
+            if "is unhealthy or does not serve base" not in exc.message:
+                raise
+            return False
         sent += 1
         return False
 
