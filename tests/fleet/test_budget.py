@@ -14,9 +14,11 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.adapters.store import AdapterStore
+from gateway.app.keys import LOADER
 from gateway.app.wiring import build_app
 from gateway.core.identity import versioned_name
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, replica_id
@@ -301,22 +303,29 @@ async def test_loads_waiting_for_a_slot_get_it_in_the_order_they_came(
     names = [await publish(f"tenant-{i}", f"w{i}".encode()) for i in range(7)]
     hold = asyncio.Event()
     state = StubState(chunks=2, hold=hold)
-    async with (
-        running(build_stub(state)) as stub,
-        gateway(redis, store, stub, max_adapters_per_replica=1) as url,
-        client(url) as api,
-    ):
-        stream = await api.completions.create(model="tenant-0", prompt="p", stream=True)
-        await anext(aiter(stream))  # tenant-0 holds the only slot
-        waiting = []
-        for i in range(1, 7):  # each one a load that must wait for the slot, started in this order
-            waiting.append(asyncio.create_task(api.completions.create(model=f"tenant-{i}", prompt="p")))
-            await asyncio.sleep(0.1)
-        hold.set()
-        _ = [chunk async for chunk in stream]
-        served = await asyncio.gather(*waiting)
+    async with running(build_stub(state)) as stub:
+        settings = Settings(replicas=[stub], store=store.root, max_adapters_per_replica=1, **QUIET)
+        app = build_app(settings, redis)
+        async with running(app) as url, client(url) as api:
+            stream = await api.completions.create(model="tenant-0", prompt="p", stream=True)
+            await anext(aiter(stream))  # tenant-0 holds the only slot
+            waiting = []
+            for i in range(1, 7):  # each one a load that must wait for the slot, started in this order
+                waiting.append(asyncio.create_task(api.completions.create(model=f"tenant-{i}", prompt="p")))
+                await eventually(
+                    lambda: in_line(app) == len(waiting), f"tenant-{i}'s load waits for its turn"
+                )
+            hold.set()
+            _ = [chunk async for chunk in stream]
+            served = await asyncio.gather(*waiting)
     assert [answer.model for answer in served] == [f"tenant-{i}" for i in range(1, 7)]
     assert state.loads == names, "loaded in the order the requests came"
+
+
+def in_line(app: web.Application) -> int:
+    """Loads in line for a slot on the replica: the one whose turn it is, and those waiting for theirs."""
+    turns = app[LOADER].budget._turns.values()
+    return sum(int(turn.locked()) + len(turn._waiters or ()) for turn in turns)
 
 
 async def test_the_shared_last_use_keeps_only_what_a_replica_still_has(
