@@ -266,6 +266,7 @@ class AdapterLoader:
             return force
         if not claim.claimed:
             log.debug("not unloading %s from %s: %s", name, replica.url, claim.reason)
+            self.metrics.unloads_deferred.labels(replica.url, claim.reason).inc()
         elif claim.live_leases:
             log.warning(
                 "forced unload of %s from %s over %d live lease(s)", name, replica.url, claim.live_leases

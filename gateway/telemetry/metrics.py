@@ -130,6 +130,11 @@ class Metrics:
             registry=r,
         )
         self.unloads = Counter("kvgate_adapter_unloads", "Adapter unloads", ["replica", "reason"], registry=r)
+        self.unloads_deferred = Counter(
+            "kvgate_adapter_unloads_deferred", "Unloads of a retired version put off: a kvgate leases it "
+            "(leased) or another kvgate is unloading it (unloading); tried again at the next sweep",
+            ["replica", "reason"], registry=r,
+        )  # fmt: skip
         self.agent_fetches = Counter(
             "kvgate_agent_fetches", "Asks to a replica's agent for a version's verified bytes, by outcome",
             ["replica", "outcome"], registry=r,

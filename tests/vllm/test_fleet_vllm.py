@@ -34,6 +34,7 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import swap_back, swap_bytes
 from tests.support.conditions import eventually
+from tests.support.engine_pause import paused_engine
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
@@ -69,7 +70,8 @@ async def kvgate_process(
             await process.wait()
 
 
-STREAM_TOKENS = 1000  # the most the replicas' 1,024-token context leaves: a few seconds on an idle machine
+STREAM_TOKENS = 1000  # the most the replicas' 1,024-token context leaves: about a second on an idle machine
+DEFERRED = "kvgate_adapter_unloads_deferred_total"
 
 
 async def long_stream(
@@ -108,22 +110,33 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
     tmp_path: Path,
     http: aiohttp.ClientSession,
 ) -> None:
-    """The current version changes mid-stream by a rollback through Redis (an operator's way, and fast: a
-    publish through the CLI spends a second or more starting Python, which on an idle machine is most
-    of the stream), so A retires the version B streams on and sweeps while the stream runs."""
+    """The current version changes mid-stream by a rollback through Redis (an operator's way), so A retires
+    the version B streams on and sweeps while the stream runs. The replica's engine is paused meanwhile, so
+    the stream is in flight for certain until A's sweep has found B's lease (A's deferred-unload count)."""
     store, redis_url, replica = tmp_path / "store", redis_server.url, vllm_replicas[0]
     v1 = await publish("fleet-a", fixture_dir / "adapters" / "v1", redis_server, store)
     v2 = await publish("fleet-a", fixture_dir / "adapters" / "v2", redis_server, store)
     async with Redis.from_url(redis_url) as redis:
         table = EpochTable(redis)
         await table.rollback("fleet-a", v1["digest"], v1["base"])  # v1 current, v2 one rollback away
-        async with make_gateway(**FAST), kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, b):
+        async with (
+            make_gateway(**FAST) as gateway_a,
+            kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, b),
+        ):
+
+            def deferred() -> float:
+                labels = {"replica": replica.url, "reason": "leased"}
+                value = gateway_a.metrics.registry.get_sample_value(DEFERRED, labels)
+                return value or 0.0
+
             started = asyncio.Event()
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
             await asyncio.wait_for(started.wait(), 60)
-            await table.rollback("fleet-a", v2["digest"], v2["base"])
-            await asyncio.sleep(0.6)  # A retires v1 (drain_grace 0.3 s), its sweeper looks again
-            assert not stream.done(), "the stream outlasts A's sweeps (else this test proves nothing)"
+            with paused_engine(replica.pid):
+                await table.rollback("fleet-a", v2["digest"], v2["base"])
+                await eventually(lambda: deferred() >= 1, "A's sweep puts off unloading v1: B leases it")
+                assert not stream.done(), "the engine is paused: B's stream is in flight"
+                assert v1["name"] in await loaded(http, replica), "A left v1 to B's stream"
             chunks, broke = await stream
             assert (chunks, broke) == (STREAM_TOKENS, False), "B's stream ran to its end while A retired v1"
 
@@ -133,12 +146,14 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
             v2_name = next(
                 name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
             )
-            await table.rollback("fleet-a", v1["digest"], v1["base"])
-            await asyncio.sleep(0.6)
-            assert not stream.done(), "B still streams on v2"
-            assert v2_name in await loaded(http, replica), "B's lease holds v2 while B lives"
-            b.send_signal(signal.SIGKILL)
-            await b.wait()
+            with paused_engine(replica.pid):
+                before = deferred()
+                await table.rollback("fleet-a", v1["digest"], v1["base"])
+                await eventually(lambda: deferred() > before, "A's sweep puts off unloading v2: B leases it")
+                assert not stream.done(), "B still streams on v2"
+                assert v2_name in await loaded(http, replica), "B's lease holds v2 while B lives"
+                b.send_signal(signal.SIGKILL)
+                await b.wait()
             stream.cancel()
 
             async def v2_gone() -> bool:
@@ -168,10 +183,12 @@ async def test_an_eviction_never_takes_the_adapter_b_streams_on(
         stream = asyncio.create_task(long_stream(http, url_b, "budget-a", replica, started))
         await asyncio.wait_for(started.wait(), 60)
         headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
-        with pytest.raises(AuditError) as full:  # budget full, its one adapter in use by B
-            await complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)
-        assert not stream.done(), "B's long stream outlasts A's half-second wait for a slot"
-        assert a["name"] in await loaded(http, replica), "A evicted the adapter B streams on"
+        with paused_engine(replica.pid):  # B's stream stays in flight while A waits for a slot
+            ask = complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)
+            with pytest.raises(AuditError) as full:  # budget full, its one adapter in use by B
+                await asyncio.wait_for(ask, 60)  # an eviction's unload would wait on the paused engine
+            assert not stream.done(), "the engine is paused: B's stream is in flight"
+            assert a["name"] in await loaded(http, replica), "A evicted the adapter B streams on"
         assert await stream == (STREAM_TOKENS, False)
     assert "503" in str(full.value)
     assert "adapter_budget_full" in str(full.value)
