@@ -58,6 +58,7 @@ class AdapterBudget:
         self.managed = managed
         self.evict = evict
         self.pending: Counter[str] = Counter()  # replica URL -> loads past their room check, not listed yet
+        self.in_line: Counter[str] = Counter()  # replica URL -> loads whose turn it is or who wait for it
         self._turns: dict[str, asyncio.Lock] = {}  # replica URL -> whose turn it is to make room there
 
     def has_room(self, replica: Replica) -> bool:
@@ -79,16 +80,22 @@ class AdapterBudget:
         ``slot_wait_timeout`` while slots came free every few milliseconds (``loadtest.churn``)."""
         started = time.monotonic()
         turn = self._turns.setdefault(replica.url, asyncio.Lock())
+        self.in_line[replica.url] += 1
+        self.metrics.slot_line.labels(replica.url).set(self.in_line[replica.url])
         try:
-            async with asyncio.timeout(self.slot_wait):
-                await turn.acquire()
-        except TimeoutError:
-            raise self._full(replica, started) from None
-        try:
-            await self.make_room(replica, started)
-            self.pending[replica.url] += 1
+            try:
+                async with asyncio.timeout(self.slot_wait):
+                    await turn.acquire()
+            except TimeoutError:
+                raise self._full(replica, started) from None
+            try:
+                await self.make_room(replica, started)
+                self.pending[replica.url] += 1
+            finally:
+                turn.release()
         finally:
-            turn.release()
+            self.in_line[replica.url] -= 1
+            self.metrics.slot_line.labels(replica.url).set(self.in_line[replica.url])
         try:
             yield
         finally:

@@ -139,6 +139,11 @@ class Metrics:
             "kvgate_agent_fetches", "Asks to a replica's agent for a version's verified bytes, by outcome",
             ["replica", "outcome"], registry=r,
         )  # fmt: skip
+        self.slot_line = Gauge(
+            "kvgate_adapter_slot_line",
+            "Loads in line for a slot on a replica, in one worker (the longest line): the one making room "
+            "and those waiting for their turn", ["replica"], registry=r,
+        )  # fmt: skip
         self.slot_wait = Histogram(
             "kvgate_adapter_slot_wait_seconds",
             "Time a load on a full budget took to get a slot: evicting an idle adapter, or waiting for one",

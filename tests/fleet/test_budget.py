@@ -324,8 +324,7 @@ async def test_loads_waiting_for_a_slot_get_it_in_the_order_they_came(
 
 def in_line(app: web.Application) -> int:
     """Loads in line for a slot on the replica: the one whose turn it is, and those waiting for theirs."""
-    turns = app[LOADER].budget._turns.values()
-    return sum(int(turn.locked()) + len(turn._waiters or ()) for turn in turns)
+    return sum(app[LOADER].budget.in_line.values())
 
 
 async def test_the_shared_last_use_keeps_only_what_a_replica_still_has(
