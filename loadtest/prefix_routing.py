@@ -95,7 +95,7 @@ class Config:
     question_blocks: tuple[int, int] = (0, 1)
     answer_blocks: tuple[int, int] = (1, 2)
     think_s: float = 10.0
-    cache_blocks: int = 1500
+    cache_blocks: tuple[int, ...] = (600, 1500)  # per replica; one set of runs for each
     concurrency_per_replica: float = 4.0
     mean_service_s: float = 1.0
     service_sigma: float = 0.75
@@ -198,7 +198,7 @@ class ReplicaCache:
 class Result:
     policy: Policy
     processes: int
-    replicas: int
+    cache_blocks: int
     measured: int = 0
     prompt_blocks: int = 0
     hit_blocks: int = 0
@@ -305,7 +305,7 @@ def _leading(keys: Sequence[bytes], present: set[bytes]) -> int:
     return count
 
 
-def simulate(policy: Policy, workload: Workload, cfg: Config, processes: int) -> Result:
+def simulate(policy: Policy, workload: Workload, cfg: Config, processes: int, cache_blocks: int) -> Result:
     urls = [f"http://replica-{i}:8000" for i in range(cfg.replicas)]
     listing = AdapterListing(BASE, None, {version.name: version.path for version in workload.tenants})
     views: list[list[Replica]] = []  # each process's own Replica objects: its own in-flight counts
@@ -317,12 +317,12 @@ def simulate(policy: Policy, workload: Workload, cfg: Config, processes: int) ->
         views.append(own)
     precise = PreciseIndex(10_000_000) if policy == "precise" else None
     schedulers = [Scheduler(cfg.index_entries, precise=precise) for _ in range(processes)]
-    caches = {url: ReplicaCache(cfg.cache_blocks) for url in urls}
+    caches = {url: ReplicaCache(cache_blocks) for url in urls}
     position = {url: i for i, url in enumerate(urls)}
     ever: set[bytes] = set()  # every block any replica ever cached
     in_flight = dict.fromkeys(urls, 0)  # all processes' requests, for the load figures
     result = Result(
-        policy, processes, cfg.replicas, assigned=[0] * cfg.replicas, in_flight_area=[0.0] * cfg.replicas
+        policy, processes, cache_blocks, assigned=[0] * cfg.replicas, in_flight_area=[0.0] * cfg.replicas
     )
 
     requests = workload.requests
@@ -480,74 +480,87 @@ def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
-Runs = dict[tuple[Policy, int], Result]
+Runs = dict[tuple[int, Policy, int], Result]  # (cache blocks, policy, processes)
+
+
+def _missed(r: Result, reason: str) -> str:
+    if not r.missed[reason]:
+        return "-"
+    return f"{_pct(r.missed[reason], r.prompt_blocks)} ({_pct(r.missed_requests[reason], r.measured)})"
+
+
+def _ratio(a: Result, b: Result) -> str:
+    return f"{a.hit_ratio() / b.hit_ratio():.2f}x" if b.hit_ratio() else "n/a"
 
 
 def render(cfg: Config, workload: Workload, runs: Runs, command: str) -> str:
-    counts = cfg.processes
-    top = max(counts)
+    counts, caches = cfg.processes, cfg.cache_blocks
+    top, low = max(counts), min(counts)
+    tokens = cfg.tokens_per_block
     out = [
         "# Prefix routing with independent kvgate processes: predicted against precise (simulation)",
         "",
-        "**A simulation that runs kvgate's real routing code, not a measurement on vLLM** (that is the "
-        "next section). Each kvgate process (a worker of `kvgate serve --workers N`, or a kvgate of its "
-        "own) has its own `gateway.core.scheduler.Scheduler`: its own predicted `PrefixIndex`, fed as the "
-        "proxy feeds it (a prompt is recorded when its answer completes, by the process that sent it), and "
-        "its own `Replica` objects, whose in-flight counts the load bound reads. **predicted**: "
-        "`Scheduler.decide` alone. **precise**: the same with a `gateway.kv.index.PreciseIndex` fed real "
-        "`BlockStored`/`BlockRemoved` events, published by the simulated replicas when a block enters or "
-        f"leaves their cache and delivered {cfg.event_lag_s * 1000:g} ms later (every process follows every "
-        "replica, so every view is the same). The replicas' caches, arrivals, service times and which "
-        "process a request reaches (uniformly at random, as `SO_REUSEPORT` spreads connections over "
-        "workers) are simulated. Deterministic: this command (from the repository root) gives these "
-        "figures exactly:",
+        "**A simulation that runs kvgate's real routing code, not a measurement on vLLM** (that is "
+        "[further down](#on-real-vllm-replicas-2-kvgates--2-workers-predicted-vs-precise)). Each kvgate "
+        "process (a worker of `kvgate serve --workers N`, or a kvgate of its own) has its own "
+        "`gateway.core.scheduler.Scheduler`: its own predicted `PrefixIndex`, fed as the proxy feeds it (a "
+        "prompt is recorded when its answer completes, by the process that sent it), and its own `Replica` "
+        "objects, whose in-flight counts the load bound reads. **predicted**: `Scheduler.decide` alone. "
+        "**precise**: the same with a `gateway.kv.index.PreciseIndex` fed real `BlockStored`/`BlockRemoved` "
+        "events, published by the simulated replicas when a block enters or leaves their cache and "
+        f"delivered {cfg.event_lag_s * 1000:g} ms later (every process follows every replica, so every view "
+        "is the same). The replicas' caches, arrivals, service times and which process a request reaches "
+        "(uniformly at random, as `SO_REUSEPORT` spreads connections over workers) are simulated. "
+        "Deterministic: this command (from the repository root) gives these figures exactly:",
         "",
         "```sh",
         command,
         "```",
         "",
         "Hit ratio: prompt blocks found in the chosen replica's cache over all prompt blocks (measured "
-        f"requests). Cached tokens ≈ hit blocks x {cfg.tokens_per_block}.",
+        f"requests); cached tokens ≈ hit blocks x {tokens}. Per-replica caches of "
+        + " and ".join(f"{c:,}" for c in caches)
+        + " blocks, the same workload:",
         "",
-        "| processes | predicted hit ratio | precise hit ratio | precise / predicted | predicted ≈ cached "
-        "tokens | precise ≈ cached tokens |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cache blocks | processes | predicted hit ratio | precise hit ratio | precise / predicted "
+        "| predicted ≈ cached tokens | precise ≈ cached tokens |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for n in counts:
-        pred, prec = runs["predicted", n], runs["precise", n]
+    for c in caches:
+        for n in counts:
+            pred, prec = runs[c, "predicted", n], runs[c, "precise", n]
+            out.append(
+                f"| {c:,} | {n} | {pred.hit_ratio():.1%} | {prec.hit_ratio():.1%} | {_ratio(prec, pred)} | "
+                f"{pred.hit_blocks * tokens:,} | {prec.hit_blocks * tokens:,} |"
+            )
+        base = runs[c, "least-loaded", top]
         out.append(
-            f"| {n} | {pred.hit_ratio():.1%} | {prec.hit_ratio():.1%} | "
-            f"{prec.hit_ratio() / pred.hit_ratio() if pred.hit_ratio() else float('nan'):.2f}x | "
-            f"{pred.hit_blocks * cfg.tokens_per_block:,} | {prec.hit_blocks * cfg.tokens_per_block:,} |"
+            f"| {c:,} | {top}, least-loaded (no prefix routing) | {base.hit_ratio():.1%} | | | "
+            f"{base.hit_blocks * tokens:,} | |"
         )
-    base = runs["least-loaded", top]
-    out.append(
-        f"| {top} | least-loaded (no prefix routing): {base.hit_ratio():.1%} | | | "
-        f"{base.hit_blocks * cfg.tokens_per_block:,} | |"
-    )
-    pred1, pred8, prec8 = runs["predicted", min(counts)], runs["predicted", top], runs["precise", top]
+    out.append("")
+    for c in caches:
+        pred1, pred8, prec8 = runs[c, "predicted", low], runs[c, "predicted", top], runs[c, "precise", top]
+        prec1 = runs[c, "precise", low]
+        out.append(
+            f"- {c:,} blocks: at {top} processes precise keeps {prec8.hit_ratio():.1%} of prompt blocks "
+            f"cached, predicted {pred8.hit_ratio():.1%} ({_ratio(prec8, pred8)}); at {low} process"
+            f"{'es' if low > 1 else ''} {prec1.hit_ratio():.1%} and {pred1.hit_ratio():.1%}."
+        )
     out += [
-        "",
-        f"At {top} processes precise keeps {prec8.hit_ratio():.1%} of prompt blocks cached where predicted "
-        f"keeps {pred8.hit_ratio():.1%} ({prec8.hit_ratio() / pred8.hit_ratio():.2f}x); predicted at "
-        f"{min(counts)} process{'es' if min(counts) > 1 else ''} kept {pred1.hit_ratio():.1%}.",
         "",
         "Why a prompt block was not a hit, as a share of all prompt blocks (each missed block has one "
         "reason; in parentheses the share of requests with such a miss):",
         "",
-        "| processes | policy | hit | " + " | ".join(REASONS) + " |",
-        "| ---: | --- | ---: | " + " | ".join("---:" for _ in REASONS) + " |",
+        "| cache blocks | processes | policy | hit | " + " | ".join(REASONS) + " |",
+        "| ---: | ---: | --- | ---: | " + " | ".join("---:" for _ in REASONS) + " |",
     ]
-    for n in counts:
-        for policy in PAIRED:
-            r = runs[policy, n]
-            cells = [
-                f"{_pct(r.missed[reason], r.prompt_blocks)} ({_pct(r.missed_requests[reason], r.measured)})"
-                if r.missed[reason]
-                else "-"
-                for reason in REASONS
-            ]
-            out.append(f"| {n} | {policy} | {r.hit_ratio():.1%} | " + " | ".join(cells) + " |")
+    for c in caches:
+        for n in counts:
+            for policy in PAIRED:
+                r = runs[c, policy, n]
+                cells = [_missed(r, reason) for reason in REASONS]
+                out.append(f"| {c:,} | {n} | {policy} | {r.hit_ratio():.1%} | " + " | ".join(cells) + " |")
     out += [
         "",
         "Reasons: **first sight**: no replica had ever cached the block (a new question, or a block still "
@@ -562,18 +575,24 @@ def render(cfg: Config, workload: Workload, runs: Runs, command: str) -> str:
         "",
         "Load and decisions (measured requests):",
         "",
-        "| processes | policy | max/mean requests per replica | max/mean time-avg in-flight | decisions |",
-        "| ---: | --- | ---: | ---: | --- |",
+        "| cache blocks | processes | policy | max/mean requests per replica | max/mean time-avg in-flight "
+        "| decisions |",
+        "| ---: | ---: | --- | ---: | ---: | --- |",
     ]
-    for n in counts:
-        for policy in PAIRED:
-            r = runs[policy, n]
-            decisions = ", ".join(f"{name} {_pct(k, r.measured)}" for name, k in sorted(r.decisions.items()))
-            out.append(f"| {n} | {policy} | {r.load_ratio():.3f} | {r.in_flight_ratio():.3f} | {decisions} |")
-    out.append(
-        f"| {top} | least-loaded | {base.load_ratio():.3f} | {base.in_flight_ratio():.3f} | "
-        f"least-loaded 100.0% |"
-    )
+    for c in caches:
+        for n in counts:
+            for policy in PAIRED:
+                r = runs[c, policy, n]
+                decisions = ", ".join(
+                    f"{name} {_pct(k, r.measured)}" for name, k in sorted(r.decisions.items())
+                )
+                ratios = f"{r.load_ratio():.3f} | {r.in_flight_ratio():.3f}"
+                out.append(f"| {c:,} | {n} | {policy} | {ratios} | {decisions} |")
+        base = runs[c, "least-loaded", top]
+        out.append(
+            f"| {c:,} | {top} | least-loaded | {base.load_ratio():.3f} | {base.in_flight_ratio():.3f} | "
+            "least-loaded 100.0% |"
+        )
     turns = Counter(r.turn for r in workload.requests)
     later = sum(k for t, k in turns.items() if t > 0)
     out += [
@@ -592,13 +611,12 @@ def render(cfg: Config, workload: Workload, runs: Runs, command: str) -> str:
         f"({cfg.question_blocks[0]}-{cfg.question_blocks[1]} blocks and a "
         "partial one), cut into blocks by `prompt_text` + `block_keys`; the next turn arrives a think "
         f"time (exponential, mean {cfg.think_s:g} s) after the answer.",
-        f"- {cfg.replicas} replicas, each holding every version; {cfg.cache_blocks:,} cached blocks per "
-        "replica. Poisson conversation starts at "
+        f"- {cfg.replicas} replicas, each holding every version. Poisson conversation starts at "
         f"{cfg.concurrency_per_replica:g} x replicas requests in flight on average (Little's law), lognormal "
         f"service times (mean {cfg.mean_service_s:g} s, sigma {cfg.service_sigma:g}), prefill "
         f"{cfg.prefill_s * 1000:g} ms (the blocks a request computes are cached, and published, after it).",
-        f"- A request reaches process `int(u x N)` for a uniform u drawn once per request, so the same "
-        f"requests go to the same process in every run with N processes. Each predicted index holds "
+        "- A request reaches process `int(u x N)` for a uniform u drawn once per request, so the same "
+        "requests go to the same process in every run with N processes. Each predicted index holds "
         f"{cfg.index_entries:,} entries (the `prefix_index_entries` default).",
         "- Not modelled: prefill time falling with cache hits, replica queueing and preemption, polling "
         "and health changes, a lost event stream (kvgate empties that replica's view, says so on "
@@ -610,10 +628,12 @@ def render(cfg: Config, workload: Workload, runs: Runs, command: str) -> str:
 def run(cfg: Config) -> tuple[Workload, Runs]:
     workload = build_workload(cfg)
     runs: Runs = {}
-    for n in cfg.processes:
-        for policy in PAIRED:
-            runs[policy, n] = simulate(policy, workload, cfg, n)
-    runs["least-loaded", max(cfg.processes)] = simulate("least-loaded", workload, cfg, max(cfg.processes))
+    top = max(cfg.processes)
+    for c in cfg.cache_blocks:
+        for n in cfg.processes:
+            for policy in PAIRED:
+                runs[c, policy, n] = simulate(policy, workload, cfg, n, c)
+        runs[c, "least-loaded", top] = simulate("least-loaded", workload, cfg, top, c)
     return workload, runs
 
 
@@ -629,14 +649,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system-blocks", type=int, nargs=2, default=list(d.system_blocks))
     parser.add_argument("--turns", type=int, nargs=2, default=list(d.turns))
     parser.add_argument("--think-s", type=float, default=d.think_s)
-    parser.add_argument("--cache-blocks", type=int, default=d.cache_blocks, help="cached blocks per replica")
+    parser.add_argument(
+        "--cache-blocks", type=int, nargs="+", default=list(d.cache_blocks), help="cached blocks per replica"
+    )
     parser.add_argument("--concurrency-per-replica", type=float, default=d.concurrency_per_replica)
     parser.add_argument("--event-lag-s", type=float, default=d.event_lag_s)
     parser.add_argument("--warmup", type=float, default=d.warmup)
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     args = parser.parse_args(argv)
     generated_docs.started_tree()  # the tree measured, taken before the run
-    if min(args.processes) < 1 or args.replicas < 1 or args.requests < 1 or args.cache_blocks < 1:
+    if min(args.processes) < 1 or args.replicas < 1 or args.requests < 1 or min(args.cache_blocks) < 1:
         parser.error("--processes, --replicas, --requests and --cache-blocks must be positive")
     cfg = Config(
         processes=tuple(sorted(set(args.processes))),
@@ -648,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         system_blocks=(args.system_blocks[0], args.system_blocks[1]),
         turns=(args.turns[0], args.turns[1]),
         think_s=args.think_s,
-        cache_blocks=args.cache_blocks,
+        cache_blocks=tuple(args.cache_blocks),
         concurrency_per_replica=args.concurrency_per_replica,
         event_lag_s=args.event_lag_s,
         warmup=args.warmup,
