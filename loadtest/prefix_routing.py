@@ -79,6 +79,8 @@ REASONS = (
     "tie or load",  # the index knew the holder; the decision went elsewhere (tie-break, load)
 )
 
+# the heading of the real-vLLM section of docs/prefix_routing.md (loadtest/prefix_real.py's figures)
+REAL_ANCHOR = "on-real-vllm-replicas-two-kvgates-with-two-workers-each-predicted-vs-precise"
 _COMPLETE, _PREFILLED, _EVENT, _ARRIVE = 0, 1, 2, 3  # at equal times: free, cache, publish, schedule
 
 
@@ -500,9 +502,9 @@ def render(cfg: Config, workload: Workload, runs: Runs, command: str) -> str:
     out = [
         "# Prefix routing with independent kvgate processes: predicted against precise (simulation)",
         "",
-        "**A simulation that runs kvgate's real routing code, not a measurement on vLLM** (that is "
-        "[further down](#on-real-vllm-replicas-2-kvgates--2-workers-predicted-vs-precise)). Each kvgate "
-        "process (a worker of `kvgate serve --workers N`, or a kvgate of its own) has its own "
+        "**A simulation that runs kvgate's real routing code, not a measurement on vLLM** (that is [further "
+        f"down](#{REAL_ANCHOR})). Each kvgate process (a worker of `kvgate serve --workers N`, or a kvgate "
+        "of its own) has its own "
         "`gateway.core.scheduler.Scheduler`: its own predicted `PrefixIndex`, fed as the proxy feeds it (a "
         "prompt is recorded when its answer completes, by the process that sent it), and its own `Replica` "
         "objects, whose in-flight counts the load bound reads. **predicted**: `Scheduler.decide` alone. "
