@@ -131,17 +131,21 @@ loadtest-stacks: $(VENV)/.done
 	test -x $(VENV)/bin/granian || $(PY) -m pip install $(PIP_QUIET) granian
 	$(PY) -m loadtest.stack_compare --rounds 3 --seconds 3 --out docs/perf.md
 
-# kvgate's real routing code vs a cache-aware oracle and least-loaded (a simulation): docs/prefix_routing.md.
+# kvgate's real routing code (a simulation, a few minutes): predicted against precise (KV events) side by side
+# at 1, 2, 4 and 8 independent kvgate processes, each with its own predicted index, on shared prefixes and
+# multi-turn conversations; every missed block with its reason: docs/prefix_routing.md.
 loadtest-routing: $(VENV)/.done
-	$(PY) -m loadtest.prefix_routing --replicas 2 4 --requests 20000 --seed 1 --out docs/prefix_routing.md
+	$(PY) -m loadtest.prefix_routing --processes 1 2 4 8 --replicas 4 --requests 20000 --seed 1 \
+		--out docs/prefix_routing.md
 
-# Prefix routing on two real vLLM CPU replicas (KV cache smaller than the working set), through one and two
-# kvgate processes: no prefix routing vs predicted vs precise (KV events), against an oracle computed from the
-# replicas' own events (issue 18's targets): docs/prefix_routing.md and docs/prefix_routing_real.png.
+# Prefix routing on two real vLLM CPU replicas (KV cache smaller than the working set) through 2 kvgates x 2
+# workers: predicted vs precise (--kv-events --tokenizer, passed explicitly), multi-turn conversations, against
+# an oracle computed from the replicas' own events: docs/prefix_routing.md and docs/prefix_routing_real.png.
+# About 10 minutes, under the shared vLLM lock (its two replicas are ~3 GB each).
 .PHONY: loadtest-prefix-real
 loadtest-prefix-real: setup
-	$(PY) -m loadtest.prefix_real --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
-		--out docs/prefix_routing.md --plot docs/prefix_routing_real.png
+	flock /tmp/kvgate-vllm.lock $(PY) -m loadtest.prefix_real --vllm-python $(abspath $(VLLM_PY)) \
+		--fixture-dir $(abspath $(FIXTURE_DIR)) --out docs/prefix_routing.md --plot docs/prefix_routing_real.png
 
 # Publish to the first answer on two real vLLM replicas: the object store with an agent per replica against
 # the directory store, a small and a 200 MB adapter; writes its block of docs/object-store.md.
