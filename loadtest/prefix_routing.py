@@ -389,7 +389,7 @@ def simulate(policy: Policy, workload: Workload, cfg: Config, processes: int, ca
         held = {url: caches[url].cached_prefix(request.keys) for url in urls}
         allowed = within_bound(eligible(own, target))  # as the decision sees the bound, before it begins
         if policy == "least-loaded":
-            replica, decision, promised = least_loaded(eligible(own, target)), "least-loaded", 0
+            replica, decision, promised = least_loaded(eligible(own, target), b""), "least-loaded", 0
         else:
             choice = scheduler.decide(own, target)
             replica, promised = choice.replica, choice.matched_blocks

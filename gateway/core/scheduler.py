@@ -16,7 +16,9 @@ named stages, so the next signal (KV events, adapter residency, lease counts) is
   prompts (``core.prefix``)) and ``load_score``; ties between prefix holders go to a rendezvous hash of
   the first block key and the replica, so a prefix that spilled onto several replicas keeps returning
   to one of them instead of being spread by load (which would make every replica cache every tenant).
-- pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties).
+- pick: the best prefix holder, else the least-loaded replica (fewer adapters loaded breaks ties, then
+  the rendezvous hash of the first block key: independent kvgate processes agree on where a first
+  sight goes, where list order sent them all to the first replica).
 
 When no replica of the right base holds the version, the decision is "load on the least-loaded one
 with room" (any, when none has room: the load waits for a slot there); when every holder is over its
@@ -159,7 +161,9 @@ def within_bound(candidates: Sequence[R], load_factor: float = LOAD_FACTOR) -> l
     return [r for r in candidates if r.in_flight + 1 <= cap] or list(candidates)
 
 
-def spread_target(of_base: Sequence[R], holders: Sequence[R], room: Callable[[R], bool]) -> R | None:
+def spread_target(
+    of_base: Sequence[R], holders: Sequence[R], room: Callable[[R], bool], tie: bytes
+) -> R | None:
     """Where a hot version should be loaded too: every holder is above its bounded share of the base's
     load, and a replica of the base that lacks the version is within it and has ``room``."""
     if len(of_base) == len(holders):  # every replica of the base holds it: nowhere to spread to
@@ -168,7 +172,7 @@ def spread_target(of_base: Sequence[R], holders: Sequence[R], room: Callable[[R]
     if any(r.in_flight + 1 <= cap for r in holders):
         return None
     roomy = [r for r in of_base if r not in holders and r.in_flight + 1 <= cap and room(r)]
-    return least_loaded(roomy) if roomy else None
+    return least_loaded(roomy, tie) if roomy else None
 
 
 def has_room(managed: Collection[str], pending: int, in_use: Mapping[str, int], budget: int) -> bool:
@@ -208,10 +212,12 @@ def prefix_score(matched_blocks: int, keys: Sequence[bytes]) -> float:
 # --- pick ------------------------------------------------------------------------------------------
 
 
-def least_loaded(candidates: Sequence[R]) -> R:
-    """The least-loaded replica; ties go to the one with fewer adapters loaded, then list order."""
+def least_loaded(candidates: Sequence[R], tie: bytes) -> R:
+    """The least-loaded replica; ties go to the one with fewer adapters loaded, then to the rendezvous
+    hash of ``tie`` (the first block key, or the logical ID) and the replica: every kvgate process breaks
+    a tie the same way for the same prompt, where list order sent every first sight to one replica."""
     busiest = max(r.in_flight for r in candidates)
-    return max(candidates, key=lambda r: (load_score(r, busiest), -r.adapter_count))
+    return max(candidates, key=lambda r: (load_score(r, busiest), -r.adapter_count, _rendezvous(tie, r)))
 
 
 def _rendezvous(key: bytes, replica: ReplicaView) -> bytes:
@@ -243,25 +249,25 @@ def decide(
     holders = holds_version(of_base, target)
     if not holders:
         roomy = [r for r in of_base if room(r)]
-        return Decision(least_loaded(roomy or of_base), "load", "loaded")
+        return Decision(least_loaded(roomy or of_base, target.logical_id.encode()), "load", "loaded")
     if pin is not None:
         return Decision(holders[0], "serve", "pinned", *_pinned_match(holders[0], matched, precise))
-    spread = spread_target(of_base, holders, room)
+    first = target.keys[0] if target.keys else target.logical_id.encode()
+    spread = spread_target(of_base, holders, room, target.logical_id.encode())
     if spread is not None:
         return Decision(spread, "load", "spread")
     allowed = within_bound(holders)
     if precise is not None:
         held = {r.url: precise(r) for r in allowed}
-        first = target.keys[0] if target.keys else target.logical_id.encode()
         best = _best(allowed, lambda r: held[r.url], first)
         if held[best.url]:
             return Decision(best, "serve", "prefix", held[best.url], "precise")
     if target.keys:
         scores = {r.url: matched(r) for r in allowed}
-        best = _best(allowed, lambda r: prefix_score(scores[r.url], target.keys), target.keys[0])
+        best = _best(allowed, lambda r: prefix_score(scores[r.url], target.keys), first)
         if scores[best.url]:
             return Decision(best, "serve", "prefix", scores[best.url], "predicted")
-    return Decision(least_loaded(allowed), "serve", "least-loaded")
+    return Decision(least_loaded(allowed, first), "serve", "least-loaded")
 
 
 def _best(allowed: Sequence[R], score: Callable[[R], float], first: bytes) -> R:
