@@ -45,7 +45,7 @@ if tonumber(ARGV[1]) - (tonumber(check[2]) or 0) >= tonumber(ARGV[2]) then
     if s.err then
       s = {}
     end
-    local cand = {s[7], s[8], s[9], s[10], s[11], s[12]}
+    local cand = {unpack(s, 7, 6 + #CANDIDATE_FIELDS)}
     local row = row_hash(id, s[1], s[2], s[3], s[4], s[5], s[6], cand)
     if row ~= tonumber(redis.call('HGET', KEYS[4], id) or '0') then
       drifted[#drifted + 1] = id

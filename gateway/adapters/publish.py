@@ -22,7 +22,7 @@ from gateway.core.base_print import prints_match
 from gateway.core.identity import ManifestEntry, check_logical_id, versioned_name
 from gateway.core.model import Change, RolloutChange
 from gateway.table.epoch_table import EpochTable
-from gateway.table.rollouts import start_rollout
+from gateway.table.rollouts import split_of, start_rollout
 
 T = TypeVar("T")
 
@@ -86,12 +86,14 @@ async def rollout_adapter(
     manifest: list[ManifestEntry] | None = None,
     progress: Progress | None = None,
     base_print: str = "",
+    split: str | None = None,
 ) -> RolledOut:
     """Like ``publish_adapter``, but the bytes become the ID's rollout candidate at WEIGHT basis points
-    (``lua/rollout_version.lua``) beside its current version."""
+    (``lua/rollout_version.lua``) beside its current version, split by SPLIT (None: the default)."""
+    split_of(split)  # refused before anything is stored
 
     async def write(digest: str, name: str, path: str) -> RolloutChange:
-        return await start_rollout(table, logical_id, digest, name, path, base, weight, base_print)
+        return await start_rollout(table, logical_id, digest, name, path, base, weight, base_print, split)
 
     digest, name, path, change = await _store_then(
         table, store, logical_id, adapter_dir, base, manifest, progress, write

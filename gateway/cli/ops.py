@@ -30,7 +30,7 @@ from gateway.core.base_print import short
 from gateway.core.errors import BadRequest, KvgateError, ModelNotFound
 from gateway.core.identity import ManifestEntry, check_logical_id
 from gateway.core.model import VersionState
-from gateway.core.split import rollout_view
+from gateway.core.split import DEFAULT_SPLIT, rollout_view
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import dialect_for
 from gateway.settings.model import Settings
@@ -121,8 +121,10 @@ async def cmd_history(args: argparse.Namespace, settings: Settings, tracing: Tra
         at, digest = _when(e.get("at_ms", 0)), str(e.get("digest", ""))[:16]
         extra = ""
         if e.get("role") == "candidate":  # a rollout's event: its weight, and why it ended
-            extra = f"  candidate at {e.get('weight', 0) / 100:g}%" + (
-                f": {e['reason']}" if e.get("reason") else ""
+            extra = (
+                f"  candidate at {e.get('weight', 0) / 100:g}%"
+                + (f", split by {e['split']}" if e.get("split") else "")
+                + (f": {e['reason']}" if e.get("reason") else "")
             )
         print(
             f"{at:<21}{e.get('epoch', ''):>5}  {e.get('action', ''):<10}{digest:<18}{e.get('base', '')}"
@@ -213,7 +215,8 @@ def describe_rollout(state: VersionState) -> str:
     if c is None:
         return ""
     return (f"rollout: {c.name} (candidate, epoch {state.epoch + 1}) at {c.weight / 100:g}%, "
-            f"{state.name} (current, epoch {state.epoch}) at {(10_000 - c.weight) / 100:g}%")  # fmt: skip
+            f"{state.name} (current, epoch {state.epoch}) at {(10_000 - c.weight) / 100:g}%, "
+            f"split by {c.split or DEFAULT_SPLIT}")  # fmt: skip
 
 
 def _last(text: str) -> str:

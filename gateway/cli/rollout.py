@@ -1,6 +1,7 @@
-"""``kvgate rollout ID SOURCE --percent P`` (a candidate beside the current version), ``kvgate rollout ID
---percent P`` (its new weight), ``kvgate promote ID`` and ``kvgate abort ID``: each one script of
-``lua/`` (``table/rollouts.py``), so each is also one ``redis-cli --eval`` of ``kvgate script NAME``.
+"""``kvgate rollout ID SOURCE --percent P [--split-key K]`` (a candidate beside the current version, its
+requests split by K), ``kvgate rollout ID --percent P`` (its new weight), ``kvgate promote ID`` and
+``kvgate abort ID``: each one script of ``lua/`` (``table/rollouts.py``), so each is also one
+``redis-cli --eval`` of ``kvgate script NAME``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gateway.cli.table_access import open_table
 from gateway.core.base_print import short
 from gateway.core.errors import BadRequest
 from gateway.core.identity import check_logical_id, versioned_name
+from gateway.core.split import DEFAULT_SPLIT, SPLIT_KEYS
 from gateway.settings.model import Settings
 from gateway.table import rollouts
 
@@ -40,6 +42,11 @@ def add_rollout_parsers(commands: Any, common: Common) -> None:
     )
     rollout.add_argument("--percent", type=float, required=True, help="the candidate's share, 0..100")
     rollout.add_argument("--base", help="the served base model it is for (default: the only one served)")
+    rollout.add_argument(
+        "--split-key",
+        help=f"what requests are split by: {', '.join(SPLIT_KEYS)} (default: {DEFAULT_SPLIT}; a new "
+        "rollout only; docs/operator-guide.md says what each costs in cache reuse)",
+    )
     promote = commands.add_parser("promote", help="make the running rollout's candidate current")
     common(promote, "promote")
     promote.add_argument("logical_id")
@@ -63,28 +70,31 @@ async def cmd_rollout(args: argparse.Namespace, settings: Settings, tracing: Tra
     logical_id = check_logical_id(args.logical_id)
     weight = rollouts.weight_of(args.percent)  # bad input refused before anything starts
     if args.adapter_dir is None:
-        if args.base:
-            raise BadRequest("--base goes with a SOURCE directory (a new rollout)", param="base")
+        for flag, value in (("--base", args.base), ("--split-key", args.split_key)):
+            if value:
+                raise BadRequest(f"{flag} goes with a SOURCE directory (a new rollout)", param=flag[2:])
         async with open_table(settings, tracing) as table:
             change = await rollouts.set_weight(table, logical_id, weight)
         verb = "weight changed" if change.changed else "unchanged"
         doc = {"logical_id": logical_id, "weight": change.weight, "changed": change.changed}
         _emit(args, doc, f"{verb}: {logical_id} candidate at {percent(change.weight)}")
         return
+    rollouts.split_of(args.split_key)  # refused before anything is stored
     store = open_store(settings.store, max_bytes=settings.max_adapter_bytes)
     with local_source(args.adapter_dir, max_bytes=settings.max_adapter_bytes) as source:
         manifest = store.scan(source)
         base = await choose_base(settings, args.base)
         async with open_table(settings, tracing) as table:
             done = await rollout_adapter(table, store, logical_id, source, base.identity, weight,
-                                         manifest=manifest, base_print=base.print)  # fmt: skip
+                                         manifest=manifest, base_print=base.print,
+                                         split=args.split_key)  # fmt: skip
     verb = "rollout started" if done.change.changed else "unchanged (already the candidate at that weight)"
     doc = {"logical_id": logical_id, "digest": done.digest, "name": done.name, "path": str(done.path),
            "weight": done.change.weight, "epoch": done.change.epoch + 1, "changed": done.change.changed,
-           "base": base.identity, "base_print": short(base.print)}  # fmt: skip
-    _emit(
-        args, doc, f"{verb}: {logical_id} -> {done.name} at {percent(weight)} (epoch {done.change.epoch + 1})"
-    )
+           "base": base.identity, "base_print": short(base.print),
+           "split_key": done.change.split}  # fmt: skip
+    _emit(args, doc, f"{verb}: {logical_id} -> {done.name} at {percent(weight)} "
+                     f"(epoch {done.change.epoch + 1}, split by {done.change.split})")  # fmt: skip
     if base.note:
         print(f"note: {base.note}", file=sys.stderr)
 

@@ -21,7 +21,9 @@ def is_token_id(value: object) -> bool:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A rollout's new version beside the current one (``kvgate rollout``): its own bytes, versioned name,
-    store path and base; ``weight`` is its share of the ID's traffic in basis points (0..10000)."""
+    store path and base; ``weight`` is its share of the ID's traffic in basis points (0..10000); ``split``
+    what its requests are split by (``core.split.SPLIT_KEYS``; '' : a rollout stored before split keys
+    were, split by the default)."""
 
     digest: str
     name: str
@@ -29,6 +31,7 @@ class Candidate:
     base: str
     base_print: str
     weight: int
+    split: str = ""
 
 
 WEIGHT_FULL = 10_000
@@ -85,6 +88,7 @@ class RolloutChange:
     changed: bool
     epoch: int  # the current version's epoch (the candidate runs in epoch + 1)
     weight: int  # basis points
+    split: str = ""  # the rollout's split key in effect ('' : refused, or an older script's answer)
 
 
 @dataclass(slots=True)

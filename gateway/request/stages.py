@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from gateway.core.identity import is_logical_id
 from gateway.core.model import Target, VersionState
-from gateway.core.prefix import BLOCK_CHARS, block_keys
+from gateway.core.prefix import block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
@@ -102,15 +102,15 @@ class Targeting:
         return Named(model, state.base, state)
 
     def split(self, named: Named, parsed: ParsedRequest, caller: Caller | None) -> Chosen:
-        """The current version, or while a rollout runs the candidate by the request's split key (its
-        ``user``, else the caller's key id, else its first block: rendered only then)."""
+        """The current version, or while a rollout runs the candidate by the request's split key (the
+        rollout's: its ``user``, the caller's key id or its conversation; read from the body only then)."""
         state = named.state
         if state is None:
             return Chosen(None)
         if state.candidate is None:
             return Chosen(state)
         key_id = caller.key_id if caller is not None else None
-        split = choose(state, parsed.body, key_id, parsed.prompt(BLOCK_CHARS))
+        split = choose(state, parsed.body, key_id)
         return Chosen(split.version, split.role, split.rollout)
 
     def tokenize(self, named: Named, chosen: Chosen, parsed: ParsedRequest) -> Target:

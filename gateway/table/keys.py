@@ -7,13 +7,15 @@ its change-log entry in the same slot, atomically:
     kvg:{epochs}:state:ID     hash: digest, name, path, base, epoch, updated_ms   (the current version;
                               reseeded_epoch too when a reseed wrote it; while a rollout runs, its
                               candidate: cand_digest, cand_name, cand_path, cand_base, cand_base_print,
-                              cand_weight; last_rollout: JSON of how the last one ended)
+                              cand_weight, cand_split (absent in older rollouts); last_rollout: JSON
+                              of how the last one ended)
     kvg:{epochs}:versions:ID  hash: BASE|DIGEST -> JSON {name, path, base, published_ms}
                               (every version published: a version is a digest for a base; a digest is 64 hex)
     kvg:{epochs}:history:ID   list: JSON {epoch, digest, base, action, at_ms}, newest first
                               (action: publish, rollback, bump, promote, or reseeded: put back from a
                               kvgate's snapshot after the table came back empty; a rollout's events,
-                              rollout, weight and abort, also carry role 'candidate', weight, reason)
+                              rollout, weight and abort, also carry role 'candidate', weight, reason;
+                              a rollout's start its split key, split)
     kvg:{epochs}:ids          set: the logical IDs (an indexed ID with no state is ignored)
     kvg:{epochs}:generation   string: changes when Redis comes back empty
     kvg:{epochs}:log          stream: the change log, one entry per change of a current version (XADD in

@@ -4,7 +4,8 @@ One Lua script per operation (``lua/rollout_version.lua``: start or change the w
 ``lua/promote_candidate.lua``; ``lua/abort_rollout.lua``), each logged in the change log like a publish,
 so every kvgate's snapshot has the candidate as soon as it has the entry, and each waits for a Redis
 replica's acknowledgement like publish (``Scripts.run_acked``). Weights are basis points
-(``core.model.WEIGHT_FULL``); ``weight_of`` turns an operator's percent into one.
+(``core.model.WEIGHT_FULL``); ``weight_of`` turns an operator's percent into one. A rollout's split key
+(``core.split.SPLIT_KEYS``, ``split_of``) is set when it starts and kept until it ends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 from gateway.core.errors import BadRequest
 from gateway.core.model import WEIGHT_FULL, Change, RolloutChange
+from gateway.core.split import SPLIT_KEYS
 from gateway.table.epoch_table import EpochTable
 
 
@@ -24,6 +26,16 @@ def weight_of(percent: float) -> int:
     if abs(weight - percent * 100) > 1e-6:
         raise BadRequest(f"--percent {percent!r}: at most two decimals (basis points)", param="percent")
     return weight
+
+
+def split_of(name: str | None) -> str:
+    """An operator's split key, refused unless it is one of ``SPLIT_KEYS`` (None: '', which the script
+    reads as the running rollout's, or ``DEFAULT_SPLIT`` for a new one)."""
+    if name is None:
+        return ""
+    if name not in SPLIT_KEYS:
+        raise BadRequest(f"--split-key {name!r} is not one of {', '.join(SPLIT_KEYS)}", param="split_key")
+    return name
 
 
 def _weight(weight: int) -> int:
@@ -41,23 +53,27 @@ async def start_rollout(
     base: str,
     weight: int,
     base_print: str = "",
+    split: str | None = None,
 ) -> RolloutChange:
-    """DIGEST (stored at PATH, built for BASE) becomes LOGICAL_ID's candidate at WEIGHT basis points."""
-    return await _rollout(table, logical_id, [digest, name, path, base], base_print, _weight(weight))
+    """DIGEST (stored at PATH, built for BASE) becomes LOGICAL_ID's candidate at WEIGHT basis points, its
+    requests split by SPLIT (one of ``SPLIT_KEYS``; None: the default, or the running rollout's when
+    DIGEST is its candidate already)."""
+    version = [digest, name, path, base]
+    return await _rollout(table, logical_id, version, base_print, _weight(weight), split_of(split))
 
 
 async def set_weight(table: EpochTable, logical_id: str, weight: int) -> RolloutChange:
     """The running rollout's candidate gets WEIGHT basis points (``RolloutConflict`` when none runs)."""
-    return await _rollout(table, logical_id, ["", "", "", ""], "", _weight(weight))
+    return await _rollout(table, logical_id, ["", "", "", ""], "", _weight(weight), "")
 
 
 async def _rollout(
-    table: EpochTable, logical_id: str, version: list[str], base_print: str, weight: int
+    table: EpochTable, logical_id: str, version: list[str], base_print: str, weight: int, split: str
 ) -> RolloutChange:
     digest, name, path, base = version
     with table.tracer.start_as_current_span("kvgate.rollout"):
         return await table.scripts.rollout_version(
-            logical_id, digest, name, path, base, base_print, weight, now=table.clock()
+            logical_id, digest, name, path, base, base_print, weight, split, now=table.clock()
         )
 
 

@@ -2,8 +2,9 @@
 read) and ``row_hash`` (what the table's check sums; lua/lib/common.lua's ``row_hash`` computes the same);
 a history entry (lua/lib/common.lua's ``append_event``), one at a time: ``parse_history_event``.
 
-A rollout's candidate sits in the same hash (``cand_*`` fields, all or none: lua/rollout_version.lua),
-and hashes into the row only when present, so a row without one hashes as it did before rollouts.
+A rollout's candidate sits in the same hash (``cand_*`` fields, all or none: lua/rollout_version.lua;
+``cand_split`` beside them, absent in rollouts stored before it), and hashes into the row only when
+present, so a row without one hashes as it did before rollouts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from gateway.core.errors import MalformedRow
 from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
+from gateway.core.split import SPLIT_KEYS
 
 _EPOCH = re.compile(rb"[0-9]{1,18}")
 _WEIGHT = re.compile(rb"0|[1-9][0-9]{0,4}")
@@ -28,7 +30,10 @@ CANDIDATE_FIELDS = (
     b"cand_base_print",
     b"cand_weight",
 )
-"""lua/lib/common.lua's CANDIDATE_FIELDS, in the same order (the row hash depends on it)."""
+"""lua/lib/common.lua's CANDIDATE_FIELDS, in the same order (the row hash depends on it): all or none."""
+CANDIDATE_SPLIT = b"cand_split"
+"""lua/lib/common.lua's last candidate field, the rollout's split key: absent in a rollout stored before
+split keys were (the default), and then not in the row's hash either."""
 
 
 def parse_state(logical_id: str, raw: dict[bytes, bytes]) -> VersionState | None:
@@ -66,7 +71,12 @@ def _candidate(logical_id: str, raw: dict[bytes, bytes]) -> Candidate | None:
     if not _WEIGHT.fullmatch(weight) or int(weight) > WEIGHT_FULL:
         raise MalformedRow(f"state of {logical_id!r}: candidate weight {weight!r} is not 0..{WEIGHT_FULL}")
     digest, name, path, base, base_print = (_utf8(logical_id, f, raw[f]) for f in CANDIDATE_FIELDS[:5])
-    return Candidate(digest, name, path, base, base_print, int(weight))
+    split = raw.get(CANDIDATE_SPLIT)
+    if split is not None and split.decode(errors="replace") not in SPLIT_KEYS:
+        raise MalformedRow(
+            f"state of {logical_id!r}: split key {split!r} is not one of {', '.join(SPLIT_KEYS)}"
+        )
+    return Candidate(digest, name, path, base, base_print, int(weight), split.decode() if split else "")
 
 
 def _last_rollout(value: bytes) -> str:
@@ -85,16 +95,16 @@ def _utf8(logical_id: str, name: bytes, value: bytes) -> str:
         raise MalformedRow(f"state of {logical_id!r}: {name.decode()!r} is not UTF-8") from None
 
 
-_HISTORY_TEXT = ("action", "digest", "base", "role", "reason")
+_HISTORY_TEXT = ("action", "digest", "base", "role", "reason", "split")
 _HISTORY_NUMBERS = ("epoch", "weight")
 _AT_MS_END = 253_402_300_800_000  # 10000-01-01: a time past this cannot be printed as a date
 
 
 def parse_history_event(logical_id: str, position: int, raw: bytes | str) -> dict[str, Any]:
     """One history entry (JSON ``{epoch, digest, base, action, at_ms}``, a rollout's with ``role``,
-    ``weight`` and ``reason``; whatever else a newer kvgate adds is kept), or ``MalformedRow`` naming the
-    ID and the entry's position (0: the newest) when it is not one: not UTF-8 JSON, not an object, a
-    known field of another type, a time that is no date."""
+    ``weight``, ``reason`` and (when it started) ``split``; whatever else a newer kvgate adds is kept),
+    or ``MalformedRow`` naming the ID and the entry's position (0: the newest) when it is not one: not
+    UTF-8 JSON, not an object, a known field of another type, a time that is no date."""
     where = f"history of {logical_id!r}, entry {position}"
     try:
         event = json.loads(raw)
@@ -120,4 +130,5 @@ def row_hash(state: VersionState) -> int:
               state.base_print]  # fmt: skip
     if (c := state.candidate) is not None:
         fields += [c.digest, c.name, c.path, c.base, c.base_print, str(c.weight)]
+        fields += [c.split] if c.split else []
     return int(hashlib.sha1("\n".join(fields).encode()).hexdigest()[:10], 16)

@@ -362,18 +362,22 @@ class Scripts:
         base: str,
         base_print: str,
         weight: int,
+        split: str,
         *,
         now: int,
     ) -> RolloutChange:
-        """DIGEST becomes LOGICAL_ID's candidate at WEIGHT basis points (DIGEST, NAME, PATH, BASE all '':
-        the running rollout's weight changes)."""
-        code, epoch, now_weight = await self.run_acked(
+        """DIGEST becomes LOGICAL_ID's candidate at WEIGHT basis points, its requests split by SPLIT
+        (DIGEST, NAME, PATH, BASE all '': the running rollout's weight changes; SPLIT '': the running
+        rollout's, or the default for a new one)."""
+        version = [digest, name, path, base]
+        kept = [self.log_kept, keys.HISTORY_KEPT]
+        code, epoch, now_weight, *split_now = await self.run_acked(
             "rollout_version",
             _table_keys(logical_id),
-            [logical_id, digest, name, path, base, now, self.log_kept, keys.HISTORY_KEPT, base_print, weight],
+            [logical_id, *version, now, *kept, base_print, weight, split],
         )
         changed = raise_for(code, logical_id, digest, base) is Code.CHANGED
-        return RolloutChange(changed, int(epoch), int(now_weight))
+        return RolloutChange(changed, int(epoch), int(now_weight), as_text(split_now[0]) if split_now else "")
 
     async def promote_candidate(self, logical_id: str, digest: str, *, now: int) -> Change:
         """The candidate (DIGEST or a prefix of it; '' : whichever runs) becomes current under a new epoch."""

@@ -37,12 +37,13 @@ import msgpack
 from gateway.core.atomic_file import write_atomically
 from gateway.core.errors import EpochTableError
 from gateway.core.model import WEIGHT_FULL, Candidate, VersionState
+from gateway.core.split import SPLIT_KEYS
 from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"kvgate-snapshot\n"
-FORMAT = 1
+FORMAT = 2  # 2: a candidate row holds its split key
 DIGEST_BYTES = 32
 FILE_NAME = "snapshot.msgpack"
 FIELDS = tuple(f.name for f in dataclasses.fields(VersionState))
@@ -140,15 +141,16 @@ def _candidate_row(candidate: Candidate | None) -> list[str | int] | None:
     if candidate is None:
         return None
     c = candidate
-    return [c.digest, c.name, c.path, c.base, c.base_print, c.weight]
+    return [c.digest, c.name, c.path, c.base, c.base_print, c.weight, c.split]
 
 
 def _candidate(row: Any) -> Candidate | None:
     """A rollout candidate as written (None: none); ``Rejected`` when it is not one."""
     if row is None:
         return None
-    if not (isinstance(row, list) and len(row) == 6 and all(type(v) is str for v in row[:5])
-            and type(row[5]) is int and 0 <= row[5] <= WEIGHT_FULL):  # fmt: skip
+    if not (isinstance(row, list) and len(row) == 7 and all(type(v) is str for v in row[:5])
+            and type(row[5]) is int and 0 <= row[5] <= WEIGHT_FULL
+            and (row[6] == "" or row[6] in SPLIT_KEYS)):  # fmt: skip
         raise Rejected("corrupt", "its candidate column holds something that is no candidate")
     return Candidate(*row)
 

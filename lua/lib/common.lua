@@ -105,9 +105,14 @@ end
 -- A rollout's candidate lives in the ID's state hash beside the current version, in these fields (all
 -- or none): its digest, versioned name, store path, base, base fingerprint and weight (basis points of
 -- the traffic, 0..10000). Its epoch is always the state's epoch + 1: the epoch a promote gives it, so
--- its cache namespace carries over to the promoted version, and a bump moves it too.
+-- its cache namespace carries over to the promoted version, and a bump moves it too. The last field,
+-- cand_split (what its requests are split by: SPLIT_KEYS), is absent in a rollout stored before it was
+-- (split by the default) and then not in the row's hash either.
 local CANDIDATE_FIELDS = {'cand_digest', 'cand_name', 'cand_path', 'cand_base', 'cand_base_print',
-  'cand_weight'}
+  'cand_weight', 'cand_split'}
+local CANDIDATE_REQUIRED = 6  -- the first six: all or none
+local SPLIT_KEYS = {user = true, ['api-key'] = true, conversation = true}  -- gateway/core/split.py's
+local DEFAULT_SPLIT = 'user'
 
 local function drop_candidate(state)
   redis.call('HDEL', state, unpack(CANDIDATE_FIELDS))
@@ -180,9 +185,10 @@ local function append_history(key, keep, epoch, digest, base, action, now)
 end
 
 -- A rollout's event (role 'candidate': rollout, weight, abort; a rollback's automatic target skips them).
-local function append_rollout(key, keep, epoch, digest, base, action, now, weight, reason)
+-- SPLIT: a started rollout's split key (nil: not recorded in the event).
+local function append_rollout(key, keep, epoch, digest, base, action, now, weight, reason, split)
   append_event(key, keep, {epoch = epoch, digest = digest, base = base, action = action, at_ms = tonumber(now),
-    role = 'candidate', weight = tonumber(weight), reason = reason or ''})
+    role = 'candidate', weight = tonumber(weight), reason = reason or '', split = split})
 end
 
 -- The change log. A row is what a kvgate's snapshot holds of one logical ID; its hash is 40 bits of a
@@ -196,7 +202,9 @@ local function row_hash(id, digest, epoch, base, name, path, base_print, cand)
   local parts = {id, digest, epoch or '', base or '', name or '', path or '', base_print or ''}
   if cand and cand[1] then
     for i = 1, #CANDIDATE_FIELDS do
-      parts[#parts + 1] = cand[i] or ''
+      if i <= CANDIDATE_REQUIRED or cand[i] then
+        parts[#parts + 1] = cand[i] or ''
+      end
     end
   end
   local text = table.concat(parts, '\n')

@@ -123,6 +123,26 @@ def test_bad_logical_id_and_unknown_rollback(make_adapter: MakeAdapter, tmp_path
     assert "no published version" in missing.stderr
 
 
+@pytest.mark.parametrize(
+    ("source", "split", "reason"),
+    [
+        (True, "prefix", "--split-key 'prefix' is not one of user, api-key, conversation"),
+        (True, "", "--split-key '' is not one of user, api-key, conversation"),
+        (False, "user", "--split-key goes with a SOURCE directory (a new rollout)"),
+    ],
+)
+def test_a_rollouts_split_key_is_refused_with_one_line_and_nothing_started(
+    make_adapter: MakeAdapter, tmp_path: Path, source: bool, split: str, reason: str
+) -> None:
+    data = tmp_path / "kvgate"
+    adapter = [str(make_adapter(b"v2"))] if source else []
+    done = kvgate("rollout", "tenant-42", *adapter, "--percent", "25", "--split-key", split, data_dir=data)
+    assert done.returncode == 2
+    assert reason in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not data.exists(), "nothing stored, not even the embedded Redis started"
+
+
 async def test_serve_runs_with_its_own_redis_and_stops_cleanly(
     make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:

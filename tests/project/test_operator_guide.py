@@ -100,7 +100,7 @@ async def test_the_guides_redis_cli_rollout_weight_abort_and_promote_work_as_wri
             store = AdapterStore(data / "store")
             v1 = await publish_adapter(table, store, "tenant-42", make_adapter(b"v1"), "base")
             v3 = await rollout_adapter(table, store, "tenant-42", make_adapter(b"v3"), "base", 500)
-            assert run(weight, tmp_path, data).split() == ["1", "1", "5000"]
+            assert run(weight, tmp_path, data).split() == ["1", "1", "5000", "user"]
             state = await table.read_state("tenant-42")
             assert state is not None
             assert state.candidate is not None

@@ -43,15 +43,16 @@ BLOCK), and a heartbeat every ``reconcile_interval`` catches what it missed; two
 
 @asynccontextmanager
 async def gateway_process(
-    redis_server: EmbeddedRedis, store: AdapterStore, stubs: list[str]
+    redis_server: EmbeddedRedis, store: AdapterStore, stubs: list[str], *extra: str
 ) -> AsyncIterator[str]:
-    """``kvgate serve`` as its own process, gate off (the split alone is under test here)."""
+    """``kvgate serve`` as its own process (EXTRA: more flags), gate off (the split alone is under test)."""
     port = free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
                "--redis-url", redis_server.url, "--store", str(store.root), "--admin-token", ADMIN,
                "--reconcile-interval", str(RECONCILE_S), "--rollout-gate-interval", "0"]  # fmt: skip
     for stub in stubs:
         command += ["--replica", stub]
+    command += extra
     process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -174,6 +174,7 @@ def shows_the_rollout(driver: WebDriver, page: str, replica: str, shot: Path) ->
     assert "gate: watching" in column, column
     listed = driver.find_element(By.CSS_SELECTOR, "#rollouts li[data-id='tenant-42']").text
     assert "(candidate, epoch 2) at 25 % beside" in listed, listed
+    assert "split by user" in listed, listed
     assert "candidate: " in listed, "the per-version figures"
     driver.save_screenshot(str(shot))
 

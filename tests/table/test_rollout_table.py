@@ -1,14 +1,17 @@
 """The rollout scripts on a real redis-server (lua/rollout_version.lua, promote_candidate.lua,
 abort_rollout.lua) and what the rest of the table does beside a candidate: publish refuses, rollback ends
 the rollout, bump moves the candidate's namespace too, gc and forget_version keep its bytes, the change
-log and the checksum carry it to every snapshot; and the pure split (core/split.py)."""
+log and the checksum carry it to every snapshot; the rollout's split key stored with it (the pure split
+itself: tests/core/test_split.py)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 
 from gateway.adapters import gc
@@ -16,13 +19,14 @@ from gateway.adapters.publish import publish_adapter, rollout_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.core.errors import BadRequest, MalformedRow, ModelNotFound, RolloutConflict
 from gateway.core.model import Candidate, VersionState
-from gateway.core.split import CANDIDATE, CURRENT, choose, point, split_key
+from gateway.core.split import rollout_view
 from gateway.core.wire import cache_salt
 from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version
 from gateway.table.rollouts import abort, promote, set_weight, start_rollout, weight_of
 from gateway.table.rows import parse_state, row_hash
+from gateway.table.scripts import LOGGED, assemble_script
 from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import eventually
 from tests.table.test_changelog import following
@@ -43,7 +47,7 @@ async def test_a_rollout_is_a_candidate_beside_the_current_version_logged_and_in
     state = await table.read_state("tenant-42")
     assert state is not None
     assert (state.digest, state.epoch) == (D1, 1), "the current version is untouched"
-    assert state.candidate == Candidate(D2, f"tenant-42@{D2[:16]}", f"/store/{D2}", BASE, "", 2500)
+    assert state.candidate == Candidate(D2, f"tenant-42@{D2[:16]}", f"/store/{D2}", BASE, "", 2500, "user")
     cand = state.candidate_version()
     assert cand is not None
     assert (cand.name, cand.epoch) == (f"tenant-42@{D2[:16]}", 2), "the candidate runs in the next epoch"
@@ -177,29 +181,74 @@ def test_half_a_candidate_or_a_bad_weight_is_a_malformed_row() -> None:
             parse_state("t", {**full, b"cand_weight": weight})
 
 
-def test_the_split_is_stable_monotone_and_close_to_the_weight() -> None:
-    def state(weight: int) -> VersionState:
-        return VersionState(
-            "t", D1, "t@1", "/s1", "base", 4, candidate=Candidate(D2, "t@2", "/s2", "base", "", weight)
-        )
+async def test_the_split_key_is_stored_with_the_rollout_kept_and_refused_when_unknown(
+    redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
+) -> None:
+    await publish(table, D1)
+    name, path = f"tenant-42@{D2[:16]}", f"/store/{D2}"
+    for bad in ("prefix", "", "USER", "api_key"):
+        with pytest.raises(BadRequest, match="is not one of user, api-key, conversation"):
+            await start_rollout(table, "tenant-42", D2, name, path, BASE, 2500, split=bad)
+    store = AdapterStore(tmp_path / "store")
+    with pytest.raises(BadRequest, match="--split-key 'nope'"):
+        await rollout_adapter(table, store, "tenant-42", make_adapter(b"v2"), BASE, 2500, split="nope")
+    assert not any(store.root.iterdir()) if store.root.exists() else True, "nothing stored"
+    before = {key: await redis.dump(key) for key in await redis.keys("*")}
+    script = assemble_script("rollout_version")  # straight through Redis: refused before any write
+    with pytest.raises(redis_exceptions.ResponseError, match='split key "nope" is not one of'):
+        await redis.eval(script, 6, *_keys("tenant-42"), "tenant-42", D2, name, path, BASE, 1, 10_000, 100,
+                         "", 2500, "nope")  # fmt: skip
+    assert {key: await redis.dump(key) for key in await redis.keys("*")} == before, "no partial state"
+    assert (await table.read_state("tenant-42")).candidate is None  # type: ignore[union-attr]
 
-    users = [{"user": f"u{i}"} for i in range(10_000)]
-    by_weight = {w: {u["user"] for u in users if choose(state(w), u, None, "p").role == CANDIDATE}
-                 for w in (0, 100, 2500, 5000, 10_000)}  # fmt: skip
-    assert by_weight[0] == set()
-    assert len(by_weight[10_000]) == len(users)
-    assert by_weight[100] <= by_weight[2500] <= by_weight[5000], "raising the weight only adds keys"
-    assert 2300 <= len(by_weight[2500]) <= 2700
-    chosen = choose(state(5000), {"user": "u1"}, None, "p")
-    assert chosen == choose(state(5000), {"user": "u1"}, "key-id", "other prompt"), "user comes first"
-    assert chosen.version.epoch in (4, 5)
-    if chosen.role == CANDIDATE:
-        assert (chosen.version.name, chosen.version.epoch) == ("t@2", 5)
-    else:
-        assert (chosen.role, chosen.version.name) == (CURRENT, "t@1")
-    assert split_key({}, "key-id", "p") == ("api-key", "key-id")
-    assert split_key({"user": 7}, None, "x" * 1000) == ("prefix", "x" * 256), "a user that is no string"
-    assert split_key({}, None, "") == ("none", "")
-    assert point("t", "user", "u1") != point("u", "user", "u1"), "each ID splits its own way"
-    plain = VersionState("t", D1, "t@1", "/s1", "base", 4)
-    assert choose(plain, {"user": "u1"}, None, "p").role == CURRENT
+    started = await start_rollout(table, "tenant-42", D2, name, path, BASE, 2500, split="conversation")
+    assert started.split == "conversation"
+    state = await table.read_state("tenant-42")
+    assert state is not None
+    assert state.candidate is not None
+    assert state.candidate.split == "conversation"
+    assert (await set_weight(table, "tenant-42", 5000)).split == "conversation", "a weight change keeps it"
+    again = await start_rollout(table, "tenant-42", D2, name, path, BASE, 6000)
+    assert (again.weight, again.split) == (6000, "conversation"), "the same candidate, no key: as it runs"
+    with pytest.raises(RolloutConflict, match="promote or abort it first"):
+        await start_rollout(table, "tenant-42", D2, name, path, BASE, 6000, split="api-key")
+    history = await table.read_history("tenant-42")
+    assert [(e["action"], e.get("split")) for e in history[:3]] == [
+        ("weight", None),
+        ("weight", None),
+        ("rollout", "conversation"),
+    ]
+    await promote(table, "tenant-42")
+    assert b"cand_split" not in await redis.hkeys(keys.state("tenant-42")), "dropped with the candidate"
+    assert (await start_rollout(table, "tenant-42", D3, f"tenant-42@{D3[:16]}", f"/store/{D3}", BASE, 100)
+            ).split == "user", "a new rollout with no key: the default"  # fmt: skip
+
+
+async def test_a_rollout_stored_before_split_keys_splits_by_the_default_and_hashes_as_before(
+    redis: Redis, table: EpochTable
+) -> None:
+    """A candidate without ``cand_split`` (an older kvgate started it): read as the default, and its row
+    hashes as it did (Lua's row hash and Python's agree without the field, and with it)."""
+    await publish(table, D1)
+    await candidate(table)
+    await redis.hdel(keys.state("tenant-42"), "cand_split")
+    await set_weight(table, "tenant-42", 3000)  # the script logs the row and hashes it without the field
+    state = await table.read_state("tenant-42")
+    assert state is not None
+    assert state.candidate is not None
+    assert state.candidate.split == ""
+    assert rollout_view(state)["split_key"] == "user"  # type: ignore[index]
+    assert int(await redis.hget(keys.ROWS, "tenant-42") or 0) == row_hash(state)
+    with_key = replace(state, candidate=replace(state.candidate, split="user"))
+    assert row_hash(with_key) != row_hash(state), "a stored split key is in the row's hash"
+    change = await start_rollout(table, "tenant-42", D2, f"tenant-42@{D2[:16]}", f"/store/{D2}", BASE, 3000,
+                                 split="user")  # fmt: skip
+    assert not change.changed, "the default is what it runs by"
+    raw: dict[bytes, bytes] = await redis.hgetall(keys.state("tenant-42"))  # type: ignore[assignment]
+    for bad in (b"prefix", b"", b"\xff"):
+        with pytest.raises(MalformedRow, match="split key"):
+            parse_state("tenant-42", {**raw, b"cand_split": bad})
+
+
+def _keys(logical_id: str) -> list[str]:
+    return [keys.state(logical_id), keys.versions(logical_id), keys.history(logical_id), *LOGGED]

@@ -182,7 +182,8 @@ BAD_FILES: dict[str, tuple[Callable[[], bytes], str]] = {
         "corrupt",
     ),
     "a list, not a map": (lambda: _with_body([1, 2]), "corrupt"),
-    "format 2": (lambda: _changed(format=2), "foreign"),
+    "format 1": (lambda: _changed(format=1), "foreign"),  # before candidates held their split key
+    "format 3": (lambda: _changed(format=3), "foreign"),
     "other fields": (lambda: _changed(fields=["logical_id", "digest"]), "foreign"),
     "no generation": (lambda: _changed(generation=""), "corrupt"),
     "epoch as text": (lambda: _changed(columns=[*_body()["columns"][:5], ["1", "1"], ["", ""]]), "corrupt"),
@@ -328,12 +329,14 @@ async def test_rows_that_are_not_utf8_go_through_the_file_as_the_bytes_redis_hel
 
 
 def test_a_rollouts_candidate_goes_through_the_file_and_a_bad_one_is_refused() -> None:
-    candidate = Candidate(D2, f"t@{D2[:16]}", f"/store/{D2}", BASE, "bp1-x", 2500)
+    candidate = Candidate(D2, f"t@{D2[:16]}", f"/store/{D2}", BASE, "bp1-x", 2500, "conversation")
     with_rollout = VersionState("t", D1, f"t@{D1[:16]}", f"/store/{D1}", BASE, 3, candidate=candidate,
                                 last_rollout='{"outcome": "aborted"}')  # fmt: skip
     plain = VersionState("u", D3, f"u@{D3[:16]}", f"/store/{D3}", BASE, 1)
     saved = decode(encode("g", "1-0", row_hash(with_rollout) + row_hash(plain), [with_rollout, plain], {}))
     assert saved.states == {"t": with_rollout, "u": plain}
-    bad = VersionState("t", D1, "t@1", "/s", BASE, 3, candidate=Candidate(D2, "t@2", "/s2", BASE, "", 10_001))
-    with pytest.raises(Rejected, match="candidate column"):
-        decode(encode("g", "1-0", 0, [bad], {}))
+    for bad_candidate in (Candidate(D2, "t@2", "/s2", BASE, "", 10_001),
+                          Candidate(D2, "t@2", "/s2", BASE, "", 100, "prefix")):  # fmt: skip
+        bad = VersionState("t", D1, "t@1", "/s", BASE, 3, candidate=bad_candidate)
+        with pytest.raises(Rejected, match="candidate column"):
+            decode(encode("g", "1-0", 0, [bad], {}))
