@@ -77,7 +77,8 @@ async def cmd_rollout(args: argparse.Namespace, settings: Settings, tracing: Tra
         base = await choose_base(settings, args.base)
         async with open_table(settings, tracing) as table:
             done = await rollout_adapter(table, store, logical_id, source, base.identity, weight,
-                                         manifest=manifest, base_print=base.print)  # fmt: skip
+                                         manifest=manifest, base_print=base.print,
+                                         base_dir=base.directory)  # fmt: skip
     verb = "rollout started" if done.change.changed else "unchanged (already the candidate at that weight)"
     doc = {"logical_id": logical_id, "digest": done.digest, "name": done.name, "path": str(done.path),
            "weight": done.change.weight, "epoch": done.change.epoch + 1, "changed": done.change.changed,
