@@ -170,8 +170,9 @@ async def test_a_candidate_built_for_another_hidden_size_is_refused_against_the_
     )
     stored = sorted(store.iterdir())
     wider = lora_adapter(tmp_path / "wider", hidden=512, layers=2, r=8)
+    replicas = [arg for replica in vllm_replicas for arg in ("--replica", replica.url)]
     code, _, err = await run_kvgate(
-        "rollout", "misfit", str(wider), "--percent", "25", redis_url=redis_url, store=store
+        "rollout", "misfit", str(wider), "--percent", "25", *replicas, redis_url=redis_url, store=store
     )
     assert code == 2, err
     assert "the adapter does not fit base 'base'" in err, err
