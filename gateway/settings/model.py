@@ -129,8 +129,8 @@ class Settings(BaseSettings):
     loops: each loop that failed has stepped again). Periods:
     poll_interval (replica poll, adapter sweep), reconcile_interval (snapshot sync, API key sync,
     purger), lease_ttl / 4 (leases heartbeat), canary_interval (canary), rollout_gate_interval / 4 but
-    at most 1 s (rollout gate), 2 s (the embedded Redis's supervision: failing that long, restarts of redis-server that keep
-    failing end ``kvgate serve`` with exit 1)."""
+    at most 1 s (rollout gate), 2 s (the embedded Redis's supervision: failing that long, restarts of
+    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)
