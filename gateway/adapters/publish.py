@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from gateway.adapters.fit import check_fit
 from gateway.adapters.objstore import ObjectArtifact, ObjectStore
 from gateway.adapters.store import AdapterStore, Progress, StoredArtifact
 from gateway.core.base_print import current as current_scheme
@@ -46,11 +47,14 @@ async def publish_adapter(
     manifest: list[ManifestEntry] | None = None,
     progress: Progress | None = None,
     base_print: str = "",
+    base_dir: Path | None = None,
 ) -> Published:
     """MANIFEST: ``store.scan(adapter_dir)`` when the caller has checked the directory already; PROGRESS:
     called with each chunk's bytes as the store copies them; BASE_PRINT: the fingerprint of BASE
     (``core.base_print``), '' when none could be taken. The same bytes for a base the current print
-    matches keep that print: a fingerprint taken again (its logprobs move by noise) changes nothing."""
+    matches keep that print: a fingerprint taken again (its logprobs move by noise) changes nothing.
+    BASE_DIR: where the base's files are read, when they can be: an adapter that cannot fit them is
+    refused before anything is written (``adapters/fit.py``)."""
 
     async def write(digest: str, name: str, path: str) -> Change:
         current = await table.read_state(logical_id)
@@ -61,7 +65,7 @@ async def publish_adapter(
         return await table.publish(logical_id, digest, name, path, base, printed)
 
     digest, name, path, change = await _store_then(
-        table, store, logical_id, adapter_dir, base, manifest, progress, write
+        table, store, logical_id, adapter_dir, base, manifest, progress, write, base_dir
     )
     return Published(logical_id, digest, name, path, change)
 
@@ -87,16 +91,18 @@ async def rollout_adapter(
     progress: Progress | None = None,
     base_print: str = "",
     split: str | None = None,
+    base_dir: Path | None = None,
 ) -> RolledOut:
-    """Like ``publish_adapter``, but the bytes become the ID's rollout candidate at WEIGHT basis points
-    (``lua/rollout_version.lua``) beside its current version, split by SPLIT (None: the default)."""
+    """Like ``publish_adapter`` (an adapter that cannot fit BASE_DIR's base refused alike), but the bytes
+    become the ID's rollout candidate at WEIGHT basis points (``lua/rollout_version.lua``) beside its
+    current version, split by SPLIT (None: the default)."""
     split_of(split)  # refused before anything is stored
 
     async def write(digest: str, name: str, path: str) -> RolloutChange:
         return await start_rollout(table, logical_id, digest, name, path, base, weight, base_print, split)
 
     digest, name, path, change = await _store_then(
-        table, store, logical_id, adapter_dir, base, manifest, progress, write
+        table, store, logical_id, adapter_dir, base, manifest, progress, write, base_dir
     )
     return RolledOut(logical_id, digest, name, path, change)
 
@@ -110,12 +116,15 @@ async def _store_then(
     manifest: list[ManifestEntry] | None,
     progress: Progress | None,
     write: Callable[[str, str, str], Awaitable[T]],
+    base_dir: Path | None = None,
 ) -> tuple[str, str, Path | str, T]:
     """The store first, then the table's WRITE (digest, versioned name, path); the stored copy removed
-    again when the write failed and the table cannot hold it."""
+    again when the write failed and the table cannot hold it. An adapter that cannot fit the base (its
+    files at BASE_DIR) is refused before either."""
     check_logical_id(logical_id)
     if manifest is None:
         manifest = store.scan(adapter_dir)
+    check_fit(adapter_dir, base_dir, base)
     await table.ensure_generation()  # Redis answers and takes writes: checked before the store is written
     artifact = store.ingest(adapter_dir, manifest, progress)
     name = versioned_name(logical_id, artifact.digest)

@@ -36,8 +36,9 @@ from gateway.app.keys import (
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
 from gateway.kv.follower import follow_events
 from gateway.proof.canary import Canary
-from gateway.proof.gate import Gate, GateRules
+from gateway.proof.gate import LEASE_INTERVALS, Gate, GateRules, tick_of
 from gateway.table.callers import CallerSync, CallerTable
+from gateway.table.rollout_gate import GateTable
 from gateway.table.snapshot import SnapshotSync
 from gateway.table.snapshot_file import snapshot_file
 from gateway.tasks.supervisor import periodically
@@ -113,15 +114,22 @@ async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
     rules = GateRules(
         settings.rollout_error_margin, settings.rollout_min_requests, settings.rollout_audit_tolerance
     )
-    app[GATE] = Gate(app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules)  # fmt: skip
+    interval = settings.rollout_gate_interval
+    shared = GateTable(app[TABLE], app[LEASES].gateway_id, ttl_ms=round(LEASE_INTERVALS * interval * 1000),
+                       interval_ms=round(interval * 1000))  # fmt: skip
+    gate = app[GATE] = Gate(
+        app[SNAPSHOT], app[TABLE], canary, app[PROXY].rollouts, app[METRICS], rules, shared
+    )
     async with contextlib.AsyncExitStack() as tasks:
-        for name, interval, step in (
+        if interval:
+            tasks.push_async_callback(gate.stop)  # runs last: once the gate's task stopped
+        for name, period, step in (
             ("canary", settings.canary_interval, canary.run_round),
-            ("rollout-gate", settings.rollout_gate_interval, app[GATE].run_round),
+            ("rollout-gate", tick_of(interval), gate.run_round),  # one process's rounds an interval apart
         ):
-            if interval:
-                rounds = functools.partial(periodically, interval, step)
-                await tasks.enter_async_context(app[SUPERVISOR].run(name, rounds, period=interval))
+            if period:
+                rounds = functools.partial(periodically, period, step)
+                await tasks.enter_async_context(app[SUPERVISOR].run(name, rounds, period=period))
         yield
 
 

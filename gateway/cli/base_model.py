@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import aiohttp
 
@@ -34,6 +35,7 @@ class ChosenBase:
     identity: str  # what the epoch table records as the version's base
     print: str  # its fingerprint, encoded ('' : none could be taken)
     note: str = ""  # said to the operator when the choice is not plain
+    directory: Path | None = None  # where this machine reads its files (the adapter's fit is checked there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class _Seen:
     listing: AdapterListing
     print: str  # bytes and behaviour, encoded; '' when it cannot be fingerprinted
     why_not: str = ""
+    directory: Path | None = None  # where this machine reads the base's files, when it can
 
 
 async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
@@ -69,6 +72,7 @@ async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
             "",
             f"{why}: published for base {settings.base_model!r} without a fingerprint (kvgate holds it to "
             "the first fingerprint it takes of that base)",
+            settings.base_model_dir_map.get(settings.base_model),
         )
     served = sorted({str(s.listing.base_name) for s in seen})
     if requested is None:
@@ -87,7 +91,8 @@ async def choose_base(settings: Settings, requested: str | None) -> ChosenBase:
         of_base = [s for s in of_base if s.listing.base_root == root]
         if not of_base:
             raise BadRequest(f"no replica serves base {requested!r} from root {root!r}", param="base")
-    return ChosenBase(base_identity(requested, root), *_agreed_print(requested, of_base))
+    directory = next((s.directory for s in of_base if s.directory is not None and s.directory.is_dir()), None)
+    return ChosenBase(base_identity(requested, root), *_agreed_print(requested, of_base), directory)
 
 
 def _agreed_print(name: str, of_base: list[_Seen]) -> tuple[str, str]:
@@ -140,5 +145,5 @@ async def _look(
         taken = f"the probe failed: {exc!r}"
     if isinstance(taken, str):
         only = base_print.with_bytes(None, digest)
-        return _Seen(url, listing, only.encode() if only is not None else "", taken)
-    return _Seen(url, listing, replace(taken, bytes=digest or "").encode())
+        return _Seen(url, listing, only.encode() if only is not None else "", taken, directory)
+    return _Seen(url, listing, replace(taken, bytes=digest or "").encode(), directory=directory)

@@ -140,7 +140,7 @@ async def cmd_publish(args: argparse.Namespace, settings: Settings, tracing: Tra
             async with open_table(settings, tracing) as table:
                 done = await publish_adapter(
                     table, store, args.logical_id, source, base.identity, manifest=manifest,
-                    progress=progress, base_print=base.print,
+                    progress=progress, base_print=base.print, base_dir=base.directory,
                 )  # fmt: skip
     verb = "published" if done.change.changed else "unchanged (already current)"
     doc = {"logical_id": done.logical_id, "digest": done.digest, "name": done.name,

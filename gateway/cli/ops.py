@@ -34,8 +34,10 @@ from gateway.core.split import DEFAULT_SPLIT, rollout_view
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import dialect_for
 from gateway.settings.model import Settings
+from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import read_versions
 from gateway.table.leases import live_gateways
+from gateway.table.rollout_gate import read_counts, read_holder
 
 Common = Callable[[argparse.ArgumentParser, str], None]
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)(?P<unit>[smhd]?)")
@@ -152,6 +154,11 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
         view = await table.read_all()
         loaded = await table.read_loaded()
         gateways = await live_gateways(table)
+        gates = {
+            s.logical_id: await _gate_of(table, s.logical_id, s.candidate.digest)
+            for s in view.states.values()
+            if s.candidate is not None
+        }
     replicas = sorted(loaded)
     rows: list[dict[str, Any]] = []
     for state in view.states.values():
@@ -168,7 +175,8 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
                      "epoch": state.epoch, "base": state.base, "base_print": short(state.base_print),
                      "path": state.path,
                      "loaded_on": [url for url in replicas if cells[url]["current"]],
-                     "replicas": cells, "rollout": rollout_view(state)})  # fmt: skip
+                     "replicas": cells, "rollout": rollout_view(state),
+                     "gate": gates.get(state.logical_id)})  # fmt: skip
     if args.json:
         matrix = {
             "generation": view.generation,
@@ -188,6 +196,8 @@ async def cmd_status(args: argparse.Namespace, settings: Settings, tracing: Trac
     for row in rows:
         if row["rollout"] is not None:
             print(f"  {row['logical_id']} {describe_rollout(view.states[row['logical_id']])}")
+            if row["gate"] is not None:
+                print(f"    {describe_gate(row['gate'])}")
     for logical_id, reason in sorted(view.malformed.items()):
         print(f"{logical_id!r:<20} MALFORMED (left out of every snapshot): {reason}")
     print("\n= current version loaded, + the rollout's candidate, ! another version of the ID loaded "
@@ -217,6 +227,28 @@ def describe_rollout(state: VersionState) -> str:
     return (f"rollout: {c.name} (candidate, epoch {state.epoch + 1}) at {c.weight / 100:g}%, "
             f"{state.name} (current, epoch {state.epoch}) at {(10_000 - c.weight) / 100:g}%, "
             f"split by {c.split or DEFAULT_SPLIT}")  # fmt: skip
+
+
+async def _gate_of(table: EpochTable, logical_id: str, digest: str) -> dict[str, Any]:
+    """A running rollout's gate as Redis holds it: who holds it, and the fleet-wide figures."""
+    holder, figures = (
+        await read_holder(table, logical_id, digest),
+        await read_counts(table, logical_id, digest),
+    )
+    return {"holder": holder.holder if holder is not None else None,
+            "until_ms": holder.until_ms if holder is not None else None,
+            "last_round_ms": holder.round_ms or None if holder is not None else None,
+            "figures": {role: f.to_json() for role, f in figures.items()}}  # fmt: skip
+
+
+def describe_gate(gate: dict[str, Any]) -> str:
+    """One line: which kvgate process gates the rollout, and the error rates it judges (every kvgate's)."""
+    held = f"held by {gate['holder']}" if gate["holder"] else "not held (no kvgate runs the gate now)"
+    rates = ", ".join(
+        f"{role} {f['errors']}/{f['requests']} errors ({f['error_rate']:.1%})"
+        for role, f in sorted(gate["figures"].items())
+    )
+    return f"gate {held}; across the fleet: {rates}"
 
 
 def _last(text: str) -> str:

@@ -87,7 +87,7 @@ async def cmd_rollout(args: argparse.Namespace, settings: Settings, tracing: Tra
         async with open_table(settings, tracing) as table:
             done = await rollout_adapter(table, store, logical_id, source, base.identity, weight,
                                          manifest=manifest, base_print=base.print,
-                                         split=args.split_key)  # fmt: skip
+                                         split=args.split_key, base_dir=base.directory)  # fmt: skip
     verb = "rollout started" if done.change.changed else "unchanged (already the candidate at that weight)"
     doc = {"logical_id": logical_id, "digest": done.digest, "name": done.name, "path": str(done.path),
            "weight": done.change.weight, "epoch": done.change.epoch + 1, "changed": done.change.changed,

@@ -39,6 +39,7 @@ EVIDENCE_HEADERS = (
 """Response headers that say which effective model answered."""
 PIN_HEADER = "x-kvgate-pin"
 NAMESPACE_HEADER = "x-kvgate-namespace"  # "cold": a fresh, throwaway cache namespace (audits)
+AUDIT_HEADER = "x-kvgate-audit"  # on the rollout gate's audit requests: "GATEWAY round ROUND_MS" (who, when)
 ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
 CLIENT_NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # vLLM's and SGLang's: never taken from a client
 AUTHORIZATION_HEADER = "Authorization"  # with API keys on it carries kvgate's credential: never forwarded

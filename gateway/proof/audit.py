@@ -77,11 +77,15 @@ async def warm_and_cold(
     colds: int,
     *,
     warm_salt: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[tuple[Sample, ...], tuple[Sample, ...]]:
     """Straight to a server: two warm runs in ``warm_salt``'s namespace (the server's default when None),
-    so the second hits the cache, then ``colds`` runs, each in a fresh namespace."""
-    warm = [await complete(http, url, model, prompt, cache_salt=warm_salt) for _ in range(2)]
-    cold = [await complete(http, url, model, prompt, cache_salt=cold_salt()) for _ in range(colds)]
+    so the second hits the cache, then ``colds`` runs, each in a fresh namespace; HEADERS on each."""
+    warm = [await complete(http, url, model, prompt, cache_salt=warm_salt, headers=headers) for _ in range(2)]
+    cold = [
+        await complete(http, url, model, prompt, cache_salt=cold_salt(), headers=headers)
+        for _ in range(colds)
+    ]
     return tuple(warm), tuple(cold)
 
 
@@ -107,6 +111,7 @@ class DirectTarget:
 
     urls: tuple[str, ...]
     model: str
+    headers: Mapping[str, str] | None = None  # sent with every request (the rollout gate's marker)
 
     async def replicas(self, http: aiohttp.ClientSession) -> list[str]:
         return list(self.urls)
@@ -115,7 +120,9 @@ class DirectTarget:
         return (await fetch_model_list(http, replica)).max_model_len
 
     async def count_tokens(self, http: aiohttp.ClientSession, replica: str, prompt: str) -> int:
-        sample = await complete(http, replica, self.model, prompt, max_tokens=1, cache_salt=cold_salt())
+        sample = await complete(
+            http, replica, self.model, prompt, max_tokens=1, cache_salt=cold_salt(), headers=self.headers
+        )
         return sample.prompt_tokens
 
     async def observe(

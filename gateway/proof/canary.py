@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -87,13 +88,18 @@ class Canary:
         self._record(logical_id, await self.audit_version(version))
 
     async def audit_version(
-        self, version: VersionState, floor: float = 0.0, *, quarantine: bool = True
+        self,
+        version: VersionState,
+        floor: float = 0.0,
+        *,
+        quarantine: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> list[Verdict]:
         """One round on VERSION (the current one, or a rollout's candidate as ``candidate_version``
         gives it) on each replica eligible for it now: no verdicts when none is. Counted in metrics, and a
         faulty replica's copy quarantined; the caller keeps the verdicts. FLOOR: the smallest logprob
         tolerance (``verdicts.judge``); QUARANTINE False: the caller quarantines what it confirms
-        (``quarantine_faults``)."""
+        (``quarantine_faults``); HEADERS: sent with each of its requests (the gate's marker)."""
         logical_id = version.logical_id
         salt = cache_salt(self.snapshot.generation, version)
         target = Target(logical_id, version.base, version, salt, [], self.pool.expected_print(version))
@@ -102,7 +108,7 @@ class Canary:
             return []
         try:
             prompt = await self._probe(
-                version.base, DirectTarget(tuple(r.url for r in replicas), version.name)
+                version.base, DirectTarget(tuple(r.url for r in replicas), version.name, headers)
             )
         except CannotAudit as exc:
             verdicts = [cannot_audit(r.url, exc.message) for r in replicas]
@@ -111,7 +117,9 @@ class Canary:
         observations = []
         for replica in replicas:
             url, name = replica.url, version.name
-            warm, cold = await warm_and_cold(self.pool.session, url, name, prompt, 2, warm_salt=salt)
+            warm, cold = await warm_and_cold(
+                self.pool.session, url, name, prompt, 2, warm_salt=salt, headers=headers
+            )
             root = replica.listing.adapters.get(name)
             observations.append(Observation(url, name, observed_digest(root), root, None, warm, cold))
         fingerprint = self._fingerprint(version.name, version.digest, observations)

@@ -128,9 +128,9 @@ class Settings(BaseSettings):
     it works again (a loop: one of its steps ends; a subscriber: it runs a whole period; a task of several
     loops: each loop that failed has stepped again). Periods:
     poll_interval (replica poll, adapter sweep), reconcile_interval (snapshot sync, API key sync,
-    purger), lease_ttl / 4 (leases heartbeat), canary_interval (canary), rollout_gate_interval (rollout
-    gate), 2 s (the embedded Redis's supervision: failing that long, restarts of redis-server that keep
-    failing end ``kvgate serve`` with exit 1)."""
+    purger), lease_ttl / 4 (leases heartbeat), canary_interval (canary), rollout_gate_interval / 4 but
+    at most 1 s (rollout gate), 2 s (the embedded Redis's supervision: failing that long, restarts of
+    redis-server that keep failing end ``kvgate serve`` with exit 1)."""
     drain_grace: float = Field(30.0, ge=0)
     """Seconds in-flight requests on a retired version get before it is unloaded (or caches purged)."""
     max_drain: float = Field(600.0, gt=0)
@@ -189,12 +189,16 @@ class Settings(BaseSettings):
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
     rollout_gate_interval: float = Field(10.0, ge=0)
-    """Seconds between the rollout gate's rounds: each running rollout's candidate audited on its
-    replicas and its error rate compared; a fault aborts the rollout. 0 turns the gate off."""
+    """Seconds between the rollout gate's audit rounds of a running rollout, fleet-wide: one kvgate
+    process holds its gate (a lease in Redis of three intervals) and audits the candidate on its
+    replicas once an interval; every worker adds its requests and errors to the rollout's counts in
+    Redis a quarter interval (at most 1 s) apart, which the holder compares; a fault aborts the
+    rollout. 0 turns the gate off (in this kvgate: it neither counts nor audits)."""
     rollout_error_margin: float = Field(0.05, ge=0, le=1)
     """The gate aborts a rollout whose candidate's error rate exceeds the current version's by more."""
     rollout_min_requests: int = Field(50, ge=1)
-    """Candidate requests (this kvgate's) before the gate judges its error rate."""
+    """Candidate requests, across every kvgate, before the gate judges its error rate (a candidate
+    whose every request failed is aborted after 3)."""
     rollout_audit_tolerance: float = Field(0.01, ge=0)
     """The gate's audit counts a logprob difference as a fault only above this (or the cold runs'
     calibrated spread): audits run beside live traffic, whose batching may move logprobs slightly."""

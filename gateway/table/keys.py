@@ -38,6 +38,10 @@ XREAD per slot, for a sharding this table does not need at this size.
 Per replica: ``kvg:replica:{URL}:loaded`` (JSON {versioned name: root}, with a TTL);
 ``kvg:leases:{URL}`` (hash: NAME|GATEWAY -> lease expiry ms; NAME|!unloading while an unload runs) and
 ``kvg:last-use:{URL}`` (hash: NAME -> last use ms, the newest any gateway reported), in the URL's slot.
+Per running rollout (the candidate's digest names it, so the next rollout starts afresh), in its ID's slot:
+``kvg:{ID}:gate:DIGEST`` (hash: holder, until_ms, round_ms: which kvgate process gates it, until when,
+and when its last audit round began) and ``kvg:{ID}:rollout-counts:DIGEST`` (hash: ROLE:FIGURE -> a whole
+number, every kvgate's traffic of the rollout added up); both expire by themselves once nobody writes.
 Per gateway: ``kvg:gateway:{ID}`` (its heartbeat: JSON {pid, host, started_ms}, with a TTL), indexed in
 ``kvg:gateways``.
 ``kvg:replicas`` indexes the replica URLs (plain SADD before record_loaded runs). A replica's loaded set
@@ -111,6 +115,14 @@ def leases(replica: str) -> str:
 
 def last_use(replica: str) -> str:
     return f"{PREFIX}:last-use:{{{replica}}}"
+
+
+def rollout_gate(logical_id: str, digest: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:gate:{digest}"
+
+
+def rollout_counts(logical_id: str, digest: str) -> str:
+    return f"{PREFIX}:{{{logical_id}}}:rollout-counts:{digest}"
 
 
 def gateway(gateway_id: str) -> str:

@@ -400,6 +400,38 @@ class Scripts:
         raise_for(code, logical_id, digest)
         return Change(changed=True, epoch=int(epoch), digest=as_text(aborted))
 
+    # --- the rollout gate: lua/take_gate_turn, release_gate, add_rollout_counts -------------------------
+
+    async def take_gate_turn(
+        self, logical_id: str, digest: str, gateway_id: str, *, now: int, ttl_ms: int, interval_ms: int
+    ) -> tuple[Code, str, int, int]:
+        """Ask for the gate of LOGICAL_ID's rollout of DIGEST: CHANGED (GATEWAY_ID holds it, a round is
+        due), UNCHANGED (it holds it, none due) or LEASED (another holds it); the holder, its lease's
+        expiry and the last round's start (ms)."""
+        code, holder, until, round_ms = await self.run(
+            "take_gate_turn",
+            [keys.rollout_gate(logical_id, digest)],
+            [gateway_id, now, ttl_ms, interval_ms],
+        )
+        return code_of(code), as_text(holder, "replace"), int(until), int(round_ms)
+
+    async def release_gate(self, logical_id: str, digest: str, gateway_id: str) -> bool:
+        """GATEWAY_ID lets go of the gate of LOGICAL_ID's rollout of DIGEST; False: it did not hold it."""
+        code = await self.run("release_gate", [keys.rollout_gate(logical_id, digest)], [gateway_id])
+        return code_of(code) is Code.CHANGED
+
+    async def add_rollout_counts(
+        self, logical_id: str, digest: str, amounts: Mapping[str, int], *, ttl_ms: int
+    ) -> None:
+        """Add AMOUNTS (field -> a whole number >= 0) to the fleet-wide counts of LOGICAL_ID's rollout of
+        DIGEST, which live on for TTL_MS after."""
+        pairs = [part for field, amount in sorted(amounts.items()) for part in (field, amount)]
+        code = await self.run(
+            "add_rollout_counts", [keys.rollout_counts(logical_id, digest)], [ttl_ms, len(amounts), *pairs]
+        )
+        if code_of(code) is not Code.CHANGED:
+            raise EpochTableError(f"add_rollout_counts returned unexpected code {int(code)}")
+
     # --- replicas: lua/record_loaded, acquire_lock, release_lock ------------------------------------------
 
     async def record_loaded(self, replica: str, loaded: Mapping[str, str], ttl_ms: int) -> bool:

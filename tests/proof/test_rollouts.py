@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -193,17 +194,18 @@ def _last(state: Any) -> Any:
     return json.loads(state.last_rollout)
 
 
-async def test_the_gate_aborts_a_candidate_that_errs_more_than_the_current_version(
+async def test_the_gate_aborts_a_candidate_that_fails_every_request_after_a_few(
     redis: Redis, table: EpochTable, make_adapter: MakeAdapter, tmp_path: Path
 ) -> None:
     """Stub replicas refuse to load the candidate: its requests fail (503) while the current version's
-    succeed; past ``rollout_min_requests`` the gate aborts the rollout by itself and says why."""
+    succeed; after ``failing_requests`` (3) such failures, not ``rollout_min_requests``, the gate aborts
+    the rollout by itself and says why."""
     store = AdapterStore(tmp_path / "store")
     await publish_adapter(table, store, "t", make_adapter(b"v1"), "base")
     state = StubState()
     async with running(build_stub(state)) as stub:
         settings = Settings(replicas=[stub], store=store.root, admin_token=ADMIN, rollout_gate_interval=0.2,
-                            rollout_min_requests=10, reconcile_interval=RECONCILE_S)  # fmt: skip
+                            rollout_min_requests=50, reconcile_interval=RECONCILE_S)  # fmt: skip
         app = build_app(settings, redis)
         async with running(app) as url:
             done = await rollout_adapter(table, store, "t", make_adapter(b"v2-bad"), "base", 5000)
@@ -222,17 +224,19 @@ async def test_the_gate_aborts_a_candidate_that_errs_more_than_the_current_versi
             await api.close()
             failed = sum(status >= 500 for status in statuses)
             assert set(statuses) <= {200, 503}, statuses
-            assert failed >= 10, "the candidate failed at least rollout_min_requests requests"
+            assert 3 <= failed < 50, f"{failed} failures: the gate aborts after a few, not min_requests"
             after = await table.read_state("t")
             assert after is not None
             assert after.candidate is None, "the gate aborted the rollout"
             last = _last(after)
             assert last["outcome"] == "aborted"
-            assert last["reason"].startswith("gate: error rate 100.0%"), last
+            assert re.match(r"gate: every one of its \d+ requests failed across the fleet", last["reason"]), (
+                last
+            )
             history = await table.read_history("t")
             assert (history[0]["action"], history[0]["reason"]) == ("abort", last["reason"])
             metrics = await _get(f"{url}/metrics")
-            assert 'kvgate_rollout_gate_aborts_total{logical_id="t",reason="error-rate"} 1.0' in metrics
+            assert 'kvgate_rollout_gate_aborts_total{logical_id="t",reason="failing"} 1.0' in metrics
             assert 'kvgate_rollout_requests_total{logical_id="t",outcome="error",role="candidate"}' in metrics
 
 

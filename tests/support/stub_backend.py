@@ -71,6 +71,7 @@ class StubState:
     weights: int = 0  # the base's "weights": the base-fingerprint probe's answer follows them
     probes: int = 0  # base-fingerprint probes answered
     odd_probes: list[int] = field(default_factory=list)  # weights the next probes answer with, first first
+    logprobs: bool = False  # completions asked for ``logprobs`` answer them (and count a token per 4 chars)
 
 
 STUB = web.AppKey("stub", StubState)
@@ -168,9 +169,14 @@ async def _generate(request: web.Request, state: StubState, body: dict[str, Any]
             await asyncio.sleep(state.reply_delay)
         choice = {"index": 0, "finish_reason": "length"}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+        prompt_tokens = 3
+        if state.logprobs and not chat and body.get("logprobs") is not None:  # what an audit reads
+            choice["logprobs"] = {"token_logprobs": [-0.5], "tokens": ["ok"]}
+            prompt_tokens = max(1, len(str(body.get("prompt", ""))) // 4)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 1, "total_tokens": prompt_tokens + 1}
         return web.json_response(
             {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "model": model,
-             "choices": [choice], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+             "choices": [choice], "usage": usage},
             dumps=lambda o: json.dumps(o, separators=(",", ":")),
         )  # fmt: skip
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

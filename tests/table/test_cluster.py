@@ -28,8 +28,10 @@ from gateway.table.connection import connect
 from gateway.table.epoch_table import EpochTable
 from gateway.table.inventory import forget_version
 from gateway.table.leases import LeaseTable
+from gateway.table.rollout_gate import GateTable, read_counts
 from gateway.table.scripts import operation_names
 from gateway.table.snapshot import Snapshot, SnapshotSync
+from gateway.telemetry.rollout_stats import VersionFigures
 from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import eventually
 from tests.support.redis_topologies import HOST, ClusterNodes, ServerProcess, kvgate_cli, redis_cluster
@@ -183,6 +185,14 @@ async def locks_and_replica_records(table: EpochTable, tenants: list[str]) -> No
     await rollouts.start_rollout(table, gone, candidate, f"{gone}@{candidate[:16]}", f"/store/{candidate}",
                                  "base", 2500)  # fmt: skip
     assert (await rollouts.promote(table, gone)).digest == candidate
+    for tenant in tenants:  # a rollout's gate and its fleet-wide counts live in its ID's slot
+        gate = GateTable(table, "gw-a", ttl_ms=60_000, interval_ms=1_000)
+        assert (await gate.take_turn(tenant, candidate)).due
+        await gate.add(tenant, candidate, {"candidate": VersionFigures(requests=2, errors=1)})
+        assert (await read_counts(table, tenant, candidate))["candidate"] == VersionFigures(
+            requests=2, errors=1
+        )
+        assert await gate.release(tenant, candidate)
     loaded = {f"{tenant}@0123456789abcdef": f"/store/{tenant}" for tenant in tenants}
     assert await table.record_loaded("http://r1", loaded, 60_000)
     assert not await table.record_loaded("http://r1", loaded, 60_000)  # unchanged: only the TTL

@@ -33,6 +33,7 @@ ID, FRESH, REPLICA = "tenant-42", "tenant-new", "http://r1"
 NAME = f"{ID}@{D1[:16]}"
 LAST_ID = "18446744073709551615-18446744073709551615"
 LOCK = keys.load_lock(ID, NAME, REPLICA)
+GATE, COUNTS = keys.rollout_gate(ID, D3), keys.rollout_counts(ID, D3)
 KINDS = {
     keys.LOG: "stream",
     keys.ROWS: "hash",
@@ -49,6 +50,8 @@ KINDS = {
     keys.last_use(REPLICA): "hash",
     LOCK: "string",
     keys.replica_loaded(REPLICA): "string",
+    GATE: "hash",
+    COUNTS: "hash",
 }
 """The type the scripts give each key a call below names."""
 
@@ -122,6 +125,14 @@ CALLS = {
         [REPLICA, '{"a":"b"}', 10_000, keys.HINTS, keys.REPLICA_HINT_PREFIX],
     ),
     "ensure_generation": Call("ensure_generation", [keys.GENERATION], ["new-generation"], setup="empty"),
+    "take_gate_turn": Call("take_gate_turn", [GATE], ["gw-a", now(), 3_000, 1_000]),
+    "release_gate": Call("release_gate", [GATE], ["gw-a"], setup="gated"),
+    "add_rollout_counts": Call(
+        "add_rollout_counts",
+        [COUNTS],
+        [60_000, 2, "candidate:requests", 1, "candidate:errors", 1],
+        setup="gated",
+    ),
 }
 
 Plant = Callable[[Redis], Awaitable[object]]
@@ -152,8 +163,14 @@ async def _empty(table: EpochTable, redis: Redis) -> None:
     return None
 
 
+async def _gated(table: EpochTable, redis: Redis) -> None:
+    await _rolling_out(table, redis)
+    await redis.hset(GATE, mapping={"holder": "gw-a", "until_ms": now() + 3_000, "round_ms": now()})
+    await redis.hset(COUNTS, mapping={"candidate:requests": 4, "candidate:errors": 1})
+
+
 SETUPS = {"published": _published, "rolling out": _rolling_out, "leased": _leased, "locked": _locked,
-          "empty": _empty}  # fmt: skip
+          "empty": _empty, "gated": _gated}  # fmt: skip
 
 
 def _wrong_type(key: str) -> Plant:
@@ -212,6 +229,11 @@ EXTRA: dict[str, dict[str, Plant]] = {
     "rollout_version": LOGGED_PLANTS,
     "promote_candidate": {**LOGGED_PLANTS, **EPOCH_PLANTS, "candidate without its name": _no_candidate_name},
     "abort_rollout": LOGGED_PLANTS,
+    "add_rollout_counts": {
+        "a count junk": _hset(COUNTS, "candidate:errors", "junk"),
+        "a count a float": _hset(COUNTS, "candidate:requests", "1.5"),
+        "a count past 2^53": _hset(COUNTS, "candidate:requests", "9007199254740993"),
+    },
     "heartbeat": {
         **{what: plant for what, plant in LOGGED_PLANTS.items() if plant is not _log_at_its_last_id},
         "log at its last id, a drift to log": _drift_over_a_full_log,

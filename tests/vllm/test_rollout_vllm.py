@@ -18,9 +18,9 @@ from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER, cold_salt, replica
 from gateway.dev.vllm_process import VllmProcess
 from gateway.proof.experiment import Sample, complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
-from tests.support.adapter_files import swap_back, swap_bytes
+from tests.support.adapter_files import lora_adapter, swap_back, swap_bytes
 from tests.support.conditions import eventually
-from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
+from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json, run_kvgate
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 FAST = {"reconcile_interval": 0.2, "poll_interval": 0.2, "drain_grace": 0.3}
@@ -156,3 +156,27 @@ async def test_the_gate_aborts_a_candidate_that_fails_its_audit_with_no_operator
     event = history["history"][0]
     assert (event["action"], event["reason"]) == ("abort", last["reason"])
     assert json.dumps(event)  # a plain JSON event, as kvgate history prints it
+
+
+async def test_a_candidate_built_for_another_hidden_size_is_refused_against_the_real_base(
+    vllm_replicas: list[VllmProcess], redis_server: EmbeddedRedis, fixture_dir: Path, tmp_path: Path
+) -> None:
+    """``kvgate rollout`` reads the base the real replicas list (its directory here) and refuses an adapter
+    of hidden size 512 for the fixture's 256 in one line, before the store or the table is written
+    (vLLM would load it and fail every request: ``size mismatch``)."""
+    store, redis_url = tmp_path / "store", redis_server.url
+    await kvgate_json(
+        "publish", "misfit", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
+    )
+    stored = sorted(store.iterdir())
+    wider = lora_adapter(tmp_path / "wider", hidden=512, layers=2, r=8)
+    replicas = [arg for replica in vllm_replicas for arg in ("--replica", replica.url)]
+    code, _, err = await run_kvgate(
+        "rollout", "misfit", str(wider), "--percent", "25", *replicas, redis_url=redis_url, store=store
+    )
+    assert code == 2, err
+    assert "the adapter does not fit base 'base'" in err, err
+    assert "lora_A is 8x512, the base's model.layers.0.self_attn.q_proj is 256x256" in err, err
+    assert sorted(store.iterdir()) == stored
+    history = await kvgate_json("history", "misfit", redis_url=redis_url, store=store)
+    assert [event["action"] for event in history["history"]] == ["publish"]
