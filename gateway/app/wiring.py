@@ -37,6 +37,7 @@ from gateway.app.keys import (
     GATE,
     KV_FOLLOWERS,
     LEASES,
+    LIVE_CHECK,
     LOADER,
     METRICS,
     POOL,
@@ -64,6 +65,7 @@ from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
 from gateway.kv.follower import STATES, followers_health, precise_parts
+from gateway.kv.live_check import LiveCheck
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
@@ -222,8 +224,10 @@ def local_health(app: web.Application) -> Health:
     followers = app.get(KV_FOLLOWERS, {})
     states = [follower.state()[0] for follower in followers.values()]
     counts = {"streams": len(followers), **{state: states.count(state) for state in STATES}}
-    streams = followers_health(followers, app[PROXY].replica_names)  # names replicas, with their errors
-    views.add("kv_events", counts, detail=streams)
+    live = app.get(LIVE_CHECK)
+    streams = followers_health(followers, app[PROXY].replica_names, live)  # names replicas, their errors
+    fallbacks = sum(live is not None and live.fallback_reason(url) is not None for url in followers)
+    views.add("kv_events", {**counts, "token_fallback": fallbacks}, detail=streams)
     views.add("unready", unready)
     return Health(not unready, views.public, views.detail)
 
@@ -281,9 +285,14 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
         precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        live = None
         if precise is not None:
             app[PRECISE_INDEX] = precise
-        scheduler = Scheduler(settings.prefix_index_entries, precise=precise)
+            app[LIVE_CHECK] = live = LiveCheck(
+                app[METRICS], precise.block_size,
+                window=settings.token_check_window, max_mismatch=settings.token_check_max_mismatch,
+            )  # fmt: skip
+        scheduler = Scheduler(settings.prefix_index_entries, precise=precise, trust=live)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
@@ -305,7 +314,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         )
         app[PROXY] = Proxy(
             app[SNAPSHOT], app[POOL], app[LOADER], app[LEASES], scheduler, app[ADMIN], dialect, options,
-            auth=app[AUTH], activity=app[ACTIVITY], metrics=app[METRICS], tracer=app[TRACER],
+            auth=app[AUTH], activity=app[ACTIVITY], metrics=app[METRICS], tracer=app[TRACER], live=live,
         )  # fmt: skip
         yield
         app[PROXY].upstream.close()

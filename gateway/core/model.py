@@ -106,3 +106,5 @@ class Target:
     ] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)
     role: str = ""  # while a rollout runs: which of its versions this is (core/split.py); '' otherwise
     rollout: str = ""  # while a rollout runs: its candidate's digest (the rollout's figures are keyed by it)
+    whole: bool = False  # ``tokens`` are the whole prompt, tokenized by kvgate: the live check compares
+    # their count with the replica's usage.prompt_tokens (``kv.live_check``)

@@ -99,6 +99,13 @@ class HeldBlocks(Protocol):
     ) -> Callable[[str], int]: ...
 
 
+class TokenTrust(Protocol):
+    """Whether a replica's KV events may route it (``kv.live_check.LiveCheck``): kvgate's token counts
+    agree with its answers. A replica they do not is routed as if it had no events (predicted index)."""
+
+    def exact(self, replica: str) -> bool: ...
+
+
 R = TypeVar("R", bound=ReplicaView)
 Action = Literal["serve", "load"]
 
@@ -311,11 +318,14 @@ def evictions(
 class Scheduler:
     """``decide`` over the prefix indexes this scheduler owns: the predicted one (``served`` records what
     kvgate sent where) and, when KV events are followed, the precise one (``precise``, fed by
-    ``kv.follower``)."""
+    ``kv.follower``), for the replicas whose token counts agree (``trust``, ``kv.live_check``)."""
 
-    def __init__(self, index_entries: int, *, precise: HeldBlocks | None = None) -> None:
+    def __init__(
+        self, index_entries: int, *, precise: HeldBlocks | None = None, trust: TokenTrust | None = None
+    ) -> None:
         self.index = PrefixIndex(index_entries)
         self.precise = precise
+        self.trust = trust
 
     def decide(
         self,
@@ -333,12 +343,16 @@ class Scheduler:
 
     def _precise_match(self, target: Target) -> Callable[[ReplicaView], int] | None:
         """How many leading token blocks of the request a replica holds by its events (None: no tokens,
-        or no events followed). The request is keyed in the namespace its blocks will have there."""
+        or no events followed). The request is keyed in the namespace its blocks will have there. A
+        replica whose token counts disagree (``trust``) holds nothing by its events."""
         if self.precise is None or not target.tokens:
             return None
         name = target.version.name if target.version is not None else None
         held = self.precise.held_blocks((name, target.salt), target.tokens)
-        return lambda replica: held(replica.url)
+        trust = self.trust
+        if trust is None:
+            return lambda replica: held(replica.url)
+        return lambda replica: held(replica.url) if trust.exact(replica.url) else 0
 
     def served(self, target: Target, replica: ReplicaView) -> None:
         if target.keys:

@@ -45,6 +45,7 @@ from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.kv.events import Batch, decode_message, sequence
 from gateway.kv.index import PreciseIndex
+from gateway.kv.live_check import LiveCheck
 from gateway.kv.prompt_tokens import PromptTokens
 from gateway.kv.sources import SOURCES_PATH, Endpoints, Sources, parse_endpoint_setting, parse_sources
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
@@ -311,9 +312,22 @@ class KvFollower:
         return True
 
 
-def followers_health(followers: dict[str, KvFollower], names: dict[str, str]) -> dict[str, object]:
-    """Each follower's ``health()`` for ``/healthz``, under the replica's public name (``names``)."""
-    return {names[url]: follower.health() for url, follower in followers.items()}
+def followers_health(
+    followers: dict[str, KvFollower], names: dict[str, str], live: LiveCheck | None = None
+) -> dict[str, object]:
+    """Each follower's ``health()`` for ``/healthz``, under the replica's public name (``names``); with
+    the live check (``live``), its window of token-count checks (``token_check``), and a replica whose
+    counts disagree is routed ``predicted`` whatever its events' state, with ``routing_reason``."""
+    found: dict[str, object] = {}
+    for url, follower in followers.items():
+        doc = found[names[url]] = follower.health()
+        checked = live.health(url) if live is not None else None
+        if checked is not None:
+            doc["token_check"] = checked
+        why = live.fallback_reason(url) if live is not None else None
+        if why is not None:
+            doc["routing"], doc["routing_reason"] = "predicted", why
+    return found
 
 
 class PreciseSettings(Protocol):

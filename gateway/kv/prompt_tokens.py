@@ -22,7 +22,8 @@ zone (``strftime_now``).
 A prompt longer than ``MAX_CHARS`` is cut, and the tokens near the cut (``CUT_MARGIN``) dropped: keys
 need only the leading full blocks, and the tokenizer holds the GIL (``tokenizers`` encodes one text
 without releasing it), so the cut bounds how long one request holds the event loop
-(``loadtest/precise_index.py`` measures it).
+(``loadtest/precise_index.py`` measures it). The tokens of a prompt tokenized whole are ``Whole``: the
+live check (``kv.live_check``) compares their count with the replica's ``usage.prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class Unrendered:
     def __bool__(self) -> Literal[False]:
         """Falsy like an empty token list: ``tokens.completion(body) or ()`` reads as "no tokens"."""
         return False
+
+
+class Whole(tuple[int, ...]):
+    """The tokens of a whole prompt text, tokenized here (not cut at ``MAX_CHARS``, not token ids a client
+    sent): the replica's ``usage.prompt_tokens`` for it must be their count (``kv.live_check``)."""
+
+    __slots__ = ()
 
 
 class PromptTokens:
@@ -169,7 +177,7 @@ class PromptTokens:
 
     def _encode(self, text: str, *, special: bool) -> tuple[int, ...]:
         if len(text) <= MAX_CHARS:
-            return tuple(self.tokenizer.encode(text, add_special_tokens=special).ids)
+            return Whole(self.tokenizer.encode(text, add_special_tokens=special).ids)
         ids = self.tokenizer.encode(text[:MAX_CHARS], add_special_tokens=special).ids
         return tuple(ids[:-CUT_MARGIN])
 

@@ -8,7 +8,8 @@
 6. decide: the scheduler asked once where it runs, carried out under its reservation (``placement``)
 7. forward: the body with the gateway's members spliced in, sent to that replica (``Proxy.forward``)
 8. relay: the answer back, ``model`` rewritten to the logical ID, usage read (``relay``)
-9. account: the request's count, latency and its rollout's figures (``Proxy.account``)
+9. account: the request's count, latency, its rollout's figures and the live check of its answer
+   (``Proxy.account``, ``kv.live_check``)
 
 Every vLLM model route (``routes.ROUTES``) takes this one path. Going in, ``model`` is rewritten from
 the logical ID to the versioned name and the gateway sets the cache namespace where the route takes one
@@ -52,6 +53,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
+from gateway.kv.live_check import LiveCheck
 from gateway.kv.prompt_tokens import PromptTokens
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
@@ -84,25 +86,29 @@ class ProxyOptions:
 @dataclass(slots=True)
 class Accounting:
     """What stage 9 (account) counts, filled in as the request goes: its metric label, its outcome (the
-    status, or the error's type), its target once resolved, and whether it failed as a version's fault."""
+    status, or the error's type), its target once resolved, whether it failed as a version's fault, and
+    the answer relayed whole with status 200 (what the live check compares)."""
 
     started: float
     label: str = UNKNOWN
     outcome: str = "error"
     target: Target | None = None
     fault: bool = False
+    answered: Outbound | None = None
 
 
 @dataclass(slots=True)
 class Outbound:
     """What stage 7 (forward) hands stage 8 (relay) beside the answer: the replica it went to and what
-    responses call it, how ``model`` is rewritten coming out, where usage is counted, the evidence."""
+    responses call it, how ``model`` is rewritten coming out, where usage is counted, the evidence, the
+    decision that chose the replica."""
 
     replica: Replica
     there: str
     rewrite: relay.Rewrite | None
     usage: relay.Usage
     evidence: dict[str, str]
+    decision: Decision[Replica]
 
 
 class Proxy:
@@ -122,8 +128,11 @@ class Proxy:
         metrics: Metrics,
         tracer: Tracer,
         rollouts: RolloutStats | None = None,
+        live: LiveCheck | None = None,
     ) -> None:
         self.snapshot = snapshot
+        self.live = live
+        """The live check of answers against what kvgate computed (with a tokenizer and KV events)."""
         self.rollouts = rollouts if rollouts is not None else RolloutStats()
         """Per-version figures of the running rollouts (the gate reads them)."""
         self.pool = pool
@@ -173,7 +182,7 @@ class Proxy:
                 chosen = self.targeting.split(named, parsed, caller)  # 4 split
                 target = counts.target = self.targeting.tokenize(named, chosen, parsed)  # 5 tokenize
                 self._began(counts, target, route, span)
-                response = await self.serve(request, parsed, target, span, counts.started)  # 6, 7, 8
+                response = await self.serve(request, parsed, target, span, counts)  # 6, 7, 8
                 counts.outcome, counts.fault = str(response.status), response.status >= 500
                 return response
             except KvgateError as exc:
@@ -198,8 +207,9 @@ class Proxy:
         spans.describe_target(span, route, target, self.dialect.name)
 
     def account(self, counts: Accounting) -> None:
-        """Stage 9: the request counted by outcome, its latency, and while a rollout runs its version's
-        figures (the gate compares them)."""
+        """Stage 9: the request counted by outcome, its latency, while a rollout runs its version's
+        figures (the gate compares them), and the answer checked live against what kvgate computed (its
+        token count, its precise match: ``kv.live_check``)."""
         metrics, target = self.metrics, counts.target
         metrics.child(metrics.requests, counts.label, counts.outcome).inc()
         metrics.latency.observe(time.monotonic() - counts.started)
@@ -208,9 +218,20 @@ class Proxy:
             metrics.version_requests.labels(
                 counts.label, target.role, "error" if counts.fault else "ok"
             ).inc()
+        answered = counts.answered
+        if answered is not None and target is not None and self.live is not None:
+            decision, usage = answered.decision, answered.usage
+            self.live.answered(
+                answered.replica.url,
+                answered.replica.base or target.base,
+                counted=len(target.tokens) if target.whole else None,
+                reported=usage.prompt,
+                precise_blocks=decision.matched_blocks if decision.prefix_source == "precise" else 0,
+                cached=usage.cached,
+            )
 
     async def serve(
-        self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, started: float
+        self, request: web.Request, parsed: ParsedRequest, target: Target, span: Span, counts: Accounting
     ) -> web.StreamResponse:
         """Stages 6 to 8 (decide, forward, relay), under the request's ``Reservation`` from the decision to
         the last byte. The documented retries, the only times decide is asked again: a replica that
@@ -225,7 +246,7 @@ class Proxy:
         while True:
             decision, reservation = await self.decide(target, pin, span)
             try:
-                return await self.forward(request, parsed, target, reservation, decision, span, started)
+                return await self.forward(request, parsed, target, reservation, decision, span, counts)
             except VersionForgotten:
                 await self.pool.refresh(decision.replica)
                 if forgotten:
@@ -262,12 +283,13 @@ class Proxy:
         reservation: Reservation,
         decision: Decision[Replica],
         span: Span,
-        started: float,
+        counts: Accounting,
     ) -> web.StreamResponse:
         """Stage 7: the body with the gateway's members spliced in (``intake.upstream_body``) sent to the
         replica decided on, holding one of its connection slots to the last byte relayed (``ReplicaBusy``
-        if none frees in time); its answer goes to stage 8 with what relaying it needs (``Outbound``)."""
-        replica = reservation.replica
+        if none frees in time); its answer goes to stage 8 with what relaying it needs (``Outbound``),
+        and once relayed whole with status 200, to stage 9 (``counts.answered``)."""
+        replica, started = reservation.replica, counts.started
         route = parsed.route
         body = upstream_body(parsed, target, replica.url, self.dialect, namespaces=self.options.namespaces)
         headers = {"Content-Type": "application/json"} if isinstance(body, bytes | io.BytesIO) else {}
@@ -282,6 +304,7 @@ class Proxy:
             _rewrite(route, target.version.name if target.version is not None else None, target.logical_id),
             relay.Usage(self.metrics, self.metrics.for_id(target.logical_id), span),
             wire.evidence(target, there, decision.prefix_source, decision.matched_blocks),
+            decision,
         )
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         with relay.upstream_errors(there):
@@ -300,6 +323,7 @@ class Proxy:
                         )
         if response.status == 200:
             self.scheduler.served(target, replica)
+            counts.answered = out
         return response
 
     async def relay(  # stage 8

@@ -86,12 +86,15 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 class Usage:
     """Reads ``usage`` numbers out of response bytes (no JSON parse) into metrics (under ``label``, from
-    ``Metrics.for_id``) and the span."""
+    ``Metrics.for_id``) and the span, and keeps the last seen (``prompt``, ``cached``: None until an
+    answer has them) for the account stage's live check (``kv.live_check``)."""
 
-    __slots__ = ("label", "metrics", "span")
+    __slots__ = ("cached", "label", "metrics", "prompt", "span")
 
     def __init__(self, metrics: Metrics, label: str, span: Span) -> None:
         self.metrics, self.label, self.span = metrics, label, span
+        self.prompt: int | None = None
+        self.cached: int | None = None
 
     def scan(self, data: bytes) -> None:
         if b'"usage"' not in data:
@@ -99,10 +102,12 @@ class Usage:
         cached = _CACHED_TOKENS.search(data)
         prompt = _PROMPT_TOKENS.search(data)
         if prompt is not None:
-            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(int(prompt.group(1)))
+            self.prompt = int(prompt.group(1))
+            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(self.prompt)
         if cached is not None:
-            self.metrics.child(self.metrics.cached_tokens, self.label).inc(int(cached.group(1)))
-            self.span.set_attribute(attr.CACHED_TOKENS, int(cached.group(1)))
+            self.cached = int(cached.group(1))
+            self.metrics.child(self.metrics.cached_tokens, self.label).inc(self.cached)
+            self.span.set_attribute(attr.CACHED_TOKENS, self.cached)
 
 
 class ModelRewrite:

@@ -6,7 +6,8 @@ in memory only (the snapshot, the replicas' listings, the tokenizer), each with 
   may not use is not found, exactly like an unknown ID.
 - split: which of the ID's versions answers, ``Chosen``: the current one, or while a rollout runs the
   candidate for the share of split keys its weight says (``core/split.py``).
-- tokenize: the cache namespace, the prompt's prefix keys and (with KV events) its tokens: the
+- tokenize: the cache namespace, the prompt's prefix keys and (with KV events) its tokens, and whether
+  they are the whole prompt's (the account stage checks their count live, ``kv.live_check``): the
   ``Target`` the scheduler decides on.
 
 What a stage hands the next (here, ``ParsedRequest``, ``Target``, the scheduler's ``Decision``, the
@@ -25,7 +26,7 @@ from gateway.core.prefix import block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered
+from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered, Whole
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
@@ -118,7 +119,10 @@ class Targeting:
         the tenant's for a base request), its prefix keys and, with KV events, its tokens."""
         version = chosen.version
         if version is None:
-            return Target(named.model, named.base, None, named.salt, [], tokens=self.tokens(parsed))
+            tokens = self.tokens(parsed)
+            return Target(
+                named.model, named.base, None, named.salt, [], tokens=tokens, whole=isinstance(tokens, Whole)
+            )
         expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
             salt = cold_salt()
@@ -129,8 +133,9 @@ class Targeting:
         keys = block_keys(salt, parsed.prompt(self.keying.prefix_chars))
         tokens = self.tokens(parsed)
         return Target(
-            named.model, version.base, version, salt, keys, expected, tokens, chosen.role, chosen.rollout
-        )
+            named.model, version.base, version, salt, keys, expected, tokens, chosen.role, chosen.rollout,
+            whole=isinstance(tokens, Whole),
+        )  # fmt: skip
 
     def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's tokens as the replica will see them, when kvgate tokenizes (``Keying``); ()

@@ -79,7 +79,8 @@ def operator_fields(metrics: Metrics, verdicts: Verdicts) -> dict[str, Any]:
 
 def kv_event_fields(metrics: Metrics) -> dict[str, dict[str, float]]:
     """Per replica, what its KV events did (``kv.follower``; empty when ``kv_events`` is off): blocks
-    in its view, events, malformed ones, gaps, views emptied, follower failures, the last batch's lag."""
+    in its view, events, malformed ones, gaps, views emptied, follower failures, the last batch's lag,
+    and the tokens precise decisions claimed there and the answers confirmed (``kv.live_check``)."""
     sources = {
         "blocks": metrics.kv_view_blocks,
         "events": metrics.kv_events,
@@ -88,6 +89,8 @@ def kv_event_fields(metrics: Metrics) -> dict[str, dict[str, float]]:
         "view_resets": metrics.kv_view_resets,
         "follower_errors": metrics.kv_event_errors,
         "lag_seconds": metrics.kv_event_lag,
+        "claimed_tokens": metrics.prefix_claimed_tokens,
+        "confirmed_tokens": metrics.prefix_confirmed_tokens,
     }
     fields: dict[str, dict[str, float]] = {}
     for field, metric in sources.items():

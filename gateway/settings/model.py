@@ -186,6 +186,16 @@ class Settings(BaseSettings):
     tokenizer: Path | None = None
     """The base model's ``tokenizer.json`` or model directory (with its chat template): prompts are
     tokenized in kvgate, keyed like the blocks replicas report (``kv_events``)."""
+    token_check_window: int = Field(50, ge=1, le=100_000)
+    """Answers per replica the live token-count check judges: its last N to prompts kvgate tokenized
+    whole, each answer's ``usage.prompt_tokens`` against kvgate's count (docs/architecture.md). 50: a
+    replica served with another tokenizer (which disagrees on nearly every prompt) is caught within 10
+    answers (the fewest judged), and one prompt kvgate renders otherwise weighs 2% of the rate."""
+    token_check_max_mismatch: float = Field(0.2, ge=0, le=1)
+    """A replica whose share of disagreeing answers in the window passes this is routed on the predicted
+    index (its KV events ignored, the reason on /healthz) until the share falls to half of it. 0.2:
+    another tokenizer disagrees on nearly every prompt, while a few requests kvgate renders otherwise
+    should not cost a replica its precise routing; 1 turns the fallback off (checks are still counted)."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
     rollout_gate_interval: float = Field(10.0, ge=0)

@@ -114,6 +114,29 @@ class Metrics:
             "Entries of a replica's /kv_event_sources answer left out (malformed, or not followable)",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.token_checks = Counter(
+            "kvgate_token_checks",
+            "Answers to prompts kvgate tokenized whole, by whether its token count equals the replica's "
+            "usage.prompt_tokens (match, mismatch)",
+            ["replica", "base", "result"], registry=r,
+        )  # fmt: skip
+        self.token_check_fallback = Gauge(
+            "kvgate_token_check_fallback",
+            "1 while a replica is routed on the predicted index because its token counts disagree",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.prefix_claimed_tokens = Counter(
+            "kvgate_prefix_claimed_tokens",
+            "Prompt tokens precise decisions claimed the chosen replica holds (matched blocks x its block "
+            "size), in answers that reported cached_tokens",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.prefix_confirmed_tokens = Counter(
+            "kvgate_prefix_confirmed_tokens",
+            "Of the claimed tokens, those the answer's cached_tokens confirmed (confirmed / claimed: the "
+            "precision of kvgate's view of the replica)",
+            ["replica"], registry=r,
+        )  # fmt: skip
         self.kv_event_errors = Counter(
             "kvgate_kv_event_follower_errors", "KV event follower failures (restarted after a pause)",
             ["replica"], registry=r,

@@ -212,6 +212,34 @@ def test_the_longest_precise_match_wins_over_the_predicted_one() -> None:
     assert decision.matched_blocks == 4
 
 
+class Distrusting:
+    """A ``TokenTrust`` (``kv.live_check.LiveCheck`` in kvgate) that distrusts the replicas named."""
+
+    def __init__(self, *urls: str) -> None:
+        self.urls = set(urls)
+
+    def exact(self, replica: str) -> bool:
+        return replica not in self.urls
+
+
+def test_a_replica_whose_token_counts_disagree_is_routed_as_predicted() -> None:
+    pool = replicas(3)
+    index = PreciseIndex(1000)
+    trust = Distrusting(pool[2].url)
+    scheduler = Scheduler(index_entries=1000, precise=index, trust=trust)
+    wanted = precise_target()
+    scheduler.served(wanted, pool[0])  # predicted: r0 holds the whole prompt
+    index.apply(pool[1].url, [stored((VERSION.name, "kvg-a"), 2)])
+    index.apply(pool[2].url, [stored((VERSION.name, "kvg-a"), 4)])  # the longest, by untrusted events
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.prefix_source, decision.matched_blocks) == (pool[1], "precise", 2)
+    trust.urls.add(pool[1].url)  # no trusted replica holds it by events: the predicted index routes
+    decision = scheduler.decide(pool, wanted)
+    assert (decision.replica, decision.prefix_source) == (pool[0], "predicted")
+    trust.urls.clear()  # its counts agree again: its events route it
+    assert scheduler.decide(pool, wanted).replica == pool[2]
+
+
 def test_blocks_of_another_version_or_salt_never_count_and_the_predicted_index_stays() -> None:
     pool = replicas(2)
     index = PreciseIndex(1000)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from gateway.kv.prompt_tokens import CUT_MARGIN, MAX_CHARS, PromptTokens, Unrendered
+from gateway.kv.prompt_tokens import CUT_MARGIN, MAX_CHARS, PromptTokens, Unrendered, Whole
 
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -144,3 +144,15 @@ def test_a_long_prompt_is_cut_and_the_tokens_near_the_cut_dropped(model_dir: Pat
     assert not isinstance(cut, Unrendered)
     assert list(cut) == whole[: len(cut)]
     assert len(cut) < len(whole) - CUT_MARGIN
+
+
+def test_only_a_whole_text_tokenized_here_is_whole(model_dir: Path) -> None:
+    """What the live check compares with the replica's count (``kv.live_check``): not a cut prompt, not
+    token ids a client sent."""
+    tokens = PromptTokens.from_path(model_dir)
+    assert isinstance(tokens.completion({"prompt": "a short prompt"}), Whole)
+    assert isinstance(tokens.chat({"messages": [{"role": "user", "content": "hi"}]}), Whole)
+    assert not isinstance(tokens.completion({"prompt": "x " * MAX_CHARS}), Whole)
+    ids = tokens.completion({"prompt": [5, 6, 7]})
+    assert ids == (5, 6, 7)
+    assert not isinstance(ids, Whole)

@@ -108,6 +108,8 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "kv_event_endpoints": ("http://r0:8000=tcp://h:5557", ["http://r0:8000=tcp://h:5557"]),
     "precise_index_entries": ("10", 10),
     "tokenizer": ("/models/llama/tokenizer.json", Path("/models/llama/tokenizer.json")),
+    "token_check_window": ("20", 20),
+    "token_check_max_mismatch": ("0.5", 0.5),
     "canary_interval": ("7", 7.0),
     "rollout_gate_interval": ("3", 3.0),
     "rollout_error_margin": ("0.1", 0.1),
