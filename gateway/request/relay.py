@@ -101,12 +101,12 @@ class Usage:
             return
         cached = _CACHED_TOKENS.search(data)
         prompt = _PROMPT_TOKENS.search(data)
-        if prompt is not None:
-            self.prompt = int(prompt.group(1))
-            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(self.prompt)
+        if prompt is not None:  # counted once an answer: a stream with continuous usage repeats it
+            seen, self.prompt = self.prompt or 0, int(prompt.group(1))
+            self.metrics.child(self.metrics.prompt_tokens, self.label).inc(max(0, self.prompt - seen))
         if cached is not None:
-            self.cached = int(cached.group(1))
-            self.metrics.child(self.metrics.cached_tokens, self.label).inc(self.cached)
+            seen, self.cached = self.cached or 0, int(cached.group(1))
+            self.metrics.child(self.metrics.cached_tokens, self.label).inc(max(0, self.cached - seen))
             self.span.set_attribute(attr.CACHED_TOKENS, self.cached)
 
 
