@@ -25,7 +25,7 @@ from gateway.core.prefix import BLOCK_CHARS, block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered
+from gateway.kv.prompt_tokens import PromptTokens, Unrendered, of_route
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
@@ -139,11 +139,10 @@ class Targeting:
         tokenizer = self.keying.tokens
         if tokenizer is None:
             return ()
-        if parsed.route.path == COMPLETIONS:
-            tokens = tokenizer.completion(parsed.body)
-        elif parsed.route.path == CHAT_COMPLETIONS:
-            tokens = tokenizer.chat(parsed.body)
-        else:
+        tokens = parsed.tokens  # a large body's, computed where it was parsed
+        if tokens is None:
+            tokens = of_route(tokenizer, parsed.route.path, parsed.body)
+        if tokens is None:
             return ()
         if isinstance(tokens, Unrendered):
             self.metrics.child(self.metrics.prompt_unrendered, tokens.reason).inc()
