@@ -5,9 +5,14 @@ prefix keys and tokens decide something) and ``kvgate serve --workers 1`` (an ad
 ``kvgate publish``, embedded Redis), started with the helpers of ``loadtest/proxy_overhead.py``; kvgate
 runs twice, with precise routing off (the predicted index) and on (``--kv-events --tokenizer DIR``, the
 fixture model's tokenizer and chat template; the stubs publish no events, which changes nothing here).
+Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
+stage still runs): the stub parses each body on its own event loop, and a small request queued there
+behind a 4 MB parse would measure the stub. The stubs and the heavy clients stand for other machines:
+on a small machine they run niced (``--others-nice``, 19 by default; 0 to compete with kvgate for the
+cores as they come).
 
 Each round, for each body shape, the same prober sends small completions one after another through kvgate
-(``--small`` of them) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
+(for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
 separate process send bodies of that shape just under kvgate's 4 MiB body limit, back to back (loaded).
 The shapes: ``completion`` (a 4 MB prompt string), ``chat`` (many short messages), ``token-ids`` (a prompt
 as a list of token ids, with a client ``cache_salt``: a body kvgate must serialize again). Each figure is the
@@ -15,7 +20,7 @@ median over rounds (the machine is shared and noisy: read the ratios, measured i
 
 Run from the repository root (``make loadtest-heavy``)::
 
-    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--small 200] \
+    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--seconds 10] \
         [--tokenizer .cache/fixture/model] [--out docs/edge-parsing.md]
 """
 
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.dev import generated_docs
 from gateway.process.http_edge import free_port
 from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_redis, wait_ready
@@ -45,6 +51,8 @@ BODY_SIZE = BODY_LIMIT - 1024
 SHAPES = ("completion", "chat", "token-ids")
 MODES = ("predicted", "precise")
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
+PACE = 0.01  # seconds between one small request's answer and the next request
+ADMIN_TOKEN = "heavy-bodies-admin"
 SMALL = json.dumps({"model": LOGICAL_ID, "prompt": "a small request " * 8, "max_tokens": 1}).encode()
 
 
@@ -92,7 +100,12 @@ class Heavy:
     errors: list[str]
 
 
-async def send_heavy(url: str, shape: str, clients: int) -> Heavy:
+def pinned(replica: str) -> dict[str, str]:
+    """Headers that pin a request to ``replica`` (the admin header)."""
+    return {"Content-Type": "application/json", PIN_HEADER: replica, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+
+
+async def send_heavy(url: str, shape: str, clients: int, replica: str) -> Heavy:
     """``clients`` clients sending ``shape`` bodies back to back until SIGTERM; what they did."""
     body = heavy_body(shape)
     stop = asyncio.Event()
@@ -107,8 +120,7 @@ async def send_heavy(url: str, shape: str, clients: int) -> Heavy:
         async def client() -> None:
             while not stop.is_set():
                 started = time.perf_counter()
-                headers = {"Content-Type": "application/json"}
-                async with session.post(url + route(shape), data=body, headers=headers) as response:
+                async with session.post(url + route(shape), data=body, headers=pinned(replica)) as response:
                     answer = await response.read()
                 latencies.append(time.perf_counter() - started)
                 if response.status != 200 or f'"model":"{LOGICAL_ID}"'.encode() not in answer:
@@ -132,19 +144,20 @@ class Phase:
         return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
 
 
-async def small_requests(url: str, count: int) -> Phase:
-    """``count`` small completions one after another; each one's latency."""
+async def small_requests(url: str, seconds: float, replica: str) -> Phase:
+    """Small completions one after another (``PACE`` apart) for ``seconds``; each one's latency."""
     latencies: list[float] = []
     errors = 0
-    headers = {"Content-Type": "application/json"}
+    headers = pinned(replica)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        for _ in range(count):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
             started = time.perf_counter()
             async with session.post(url + "/v1/completions", data=SMALL, headers=headers) as response:
                 await response.read()
             latencies.append((time.perf_counter() - started) * 1e3)
             errors += response.status != 200
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(PACE)
     return Phase(latencies, errors)
 
 
@@ -156,10 +169,11 @@ class Cell:
 
 
 def loaded_phase(
-    fleet: Fleet, url: str, shape: str, args: argparse.Namespace, name: str
+    fleet: Fleet, url: str, stubs: list[str], shape: str, args: argparse.Namespace, name: str
 ) -> tuple[Phase, Heavy]:
     """Small requests while the heavy clients (a child process) send ``shape`` bodies."""
-    argv = [sys.executable, "-m", "loadtest.heavy_bodies", "--send", url, "--shape", shape,
+    argv = [*niced(args), sys.executable, "-m", "loadtest.heavy_bodies", "--send", url, "--shape", shape,
+            "--replica", stubs[1],
             "--clients", str(args.clients)]  # fmt: skip
     sender = fleet.start(name, argv)
     deadline = time.monotonic() + 120
@@ -167,19 +181,19 @@ def loaded_phase(
         if sender.process.poll() is not None:
             raise RuntimeError(f"the heavy clients exited:\n{sender.tail()}")
         time.sleep(0.05)
-    phase = asyncio.run(small_requests(url, args.small))
+    phase = asyncio.run(small_requests(url, args.seconds, stubs[0]))
     sender.stop(grace=120)
     heavy = Heavy(**json.loads(sender.tail().strip().splitlines()[-1]))
     return phase, heavy
 
 
-def bench(fleet: Fleet, url: str, mode: str, args: argparse.Namespace) -> dict[str, Cell]:
+def bench(fleet: Fleet, url: str, stubs: list[str], mode: str, args: argparse.Namespace) -> dict[str, Cell]:
     cells = {shape: Cell([], [], []) for shape in args.shapes}
-    asyncio.run(small_requests(url, 20))  # warm: the adapter loaded, connections open
+    asyncio.run(small_requests(url, 1.0, stubs[0]))  # warm: the adapter loaded, connections open
     for number in range(args.rounds):
         for shape in args.shapes:
-            idle = asyncio.run(small_requests(url, args.small))
-            loaded, heavy = loaded_phase(fleet, url, shape, args, f"heavy-{mode}-{shape}-{number}")
+            idle = asyncio.run(small_requests(url, args.seconds, stubs[0]))
+            loaded, heavy = loaded_phase(fleet, url, stubs, shape, args, f"heavy-{mode}-{shape}-{number}")
             cell = cells[shape]
             cell.idle.append(idle)
             cell.loaded.append(loaded)
@@ -216,30 +230,41 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
     return "\n".join(rows)
 
 
+def niced(args: argparse.Namespace) -> list[str]:
+    """The stubs and the heavy clients stand for other machines: niced, so that on this small machine
+    what the prober sees is kvgate's doing rather than the scheduler sharing its cores among them."""
+    return ["nice", "-n", str(args.others_nice)] if args.others_nice else []
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.heavy_bodies", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent heavy clients (default 8)")
-    parser.add_argument("--small", type=int, default=200, help="small requests per phase (default 200)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each phase's length (default 10 s)")
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tokenizer", type=Path, default=Path(".cache/fixture/model"),
                         help="the base model directory precise routing tokenizes with")  # fmt: skip
+    parser.add_argument("--others-nice", type=int, default=19, help="the stubs' and heavy clients' niceness")
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
     parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
+    parser.add_argument("--replica", help=argparse.SUPPRESS)  # the stub the heavy bodies are pinned to
     args = parser.parse_args(argv)
-    if min(args.rounds, args.clients, args.small) < 2:
-        parser.error("--rounds, --clients and --small must be 2 or more")
+    if min(args.rounds, args.clients) < 2 or args.seconds < 1:
+        parser.error("--rounds and --clients must be 2 or more, --seconds 1 or more")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.send:
-        print(json.dumps(asdict(asyncio.run(send_heavy(args.send, args.shape, args.clients)))), flush=True)
+        print(
+            json.dumps(asdict(asyncio.run(send_heavy(args.send, args.shape, args.clients, args.replica)))),
+            flush=True,
+        )
         return 0
     if "precise" in args.modes and not (args.tokenizer / "tokenizer.json").is_file():
         raise SystemExit(f"{args.tokenizer} holds no tokenizer.json (make setup builds the fixture)")
@@ -252,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stubs = []
             for number in range(2):
                 port = free_port()
-                stub = fleet.start(f"stub-{number}", [py, "-m", "loadtest.stub_server", "--port", str(port)])
+                stub_argv = [*niced(args), py, "-m", "loadtest.stub_server", "--port", str(port)]
+                stub = fleet.start(f"stub-{number}", stub_argv)
                 stubs.append(f"http://127.0.0.1:{port}")
                 wait_ready(stub, stubs[-1] + "/v1/models")
             for mode in args.modes:
@@ -265,21 +291,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 argv = [py, "-m", "gateway.cli", "serve", "--data-dir", str(workdir / data),
                         "--store", str(workdir / "store"), "--port", str(port),
-                        "--workers", "1", *flags]  # fmt: skip
+                        "--workers", "1", "--admin-token", ADMIN_TOKEN, *flags]  # fmt: skip
                 for stub_url in stubs:
                     argv += ["--replica", stub_url]
                 kvgate = fleet.start(f"kvgate-{mode}", argv)
                 url = f"http://127.0.0.1:{port}"
                 wait_ready(kvgate, url + "/healthz")
-                results[mode] = bench(fleet, url, mode, args)
+                results[mode] = bench(fleet, url, stubs, mode, args)
                 kvgate.stop()
     text = report(results, args)
     print(text)
     if args.out is not None:
         sizes = ", ".join(f"{shape} {len(heavy_body(shape)):,}" for shape in args.shapes)
         generated_docs.write_block(args.out, generated_docs.measured(
-            f"{args.clients} heavy clients back to back, {args.small} small completions a phase (idle, then "
-            f"loaded, per shape and round), {args.rounds} rounds; body bytes: {sizes}. Each figure is the "
+            f"{args.clients} heavy clients back to back; small completions one after another for "
+            f"{args.seconds:g} s a phase (idle, then loaded, per shape and round), {args.rounds} rounds; "
+            f"stubs and heavy clients at nice {args.others_nice}; body bytes: {sizes}. Each figure is the "
             f"median over rounds; the ratio is each round's loaded p99 over its idle p99.\n\n{text}"
         ))  # fmt: skip
     errors = sum(len(h.errors) for cells in results.values() for c in cells.values() for h in c.heavy)
