@@ -2,9 +2,11 @@
 
 Every server runs in its own process on loopback: two vLLM-API stubs (``loadtest/stub_server.py``; two, so
 prefix keys and tokens decide something) and ``kvgate serve --workers 1`` (an adapter published through
-``kvgate publish``, embedded Redis), started with the helpers of ``loadtest/proxy_overhead.py``; kvgate
-runs twice, with precise routing off (the predicted index) and on (``--kv-events --tokenizer DIR``, the
-fixture model's tokenizer and chat template; the stubs publish no events, which changes nothing here).
+``kvgate publish``, embedded Redis), started with the helpers of ``loadtest/proxy_overhead.py``. First
+the stubs alone (``direct``: small requests to one, heavy bodies to the other): what the machine itself
+does to the small requests when 8 clients move 4 MB bodies; then kvgate, twice, with precise routing off
+(the predicted index) and on (``--kv-events --tokenizer DIR``, the fixture model's tokenizer and chat
+template; the stubs publish no events, which changes nothing here).
 Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
 stage still runs): the stub parses each body on its own event loop, and a small request queued there
 behind a 4 MB parse would measure the stub. The stubs and the heavy clients stand for other machines:
@@ -49,17 +51,21 @@ from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_re
 BODY_LIMIT = 4 * 1024 * 1024  # kvgate's default max_body_bytes
 BODY_SIZE = BODY_LIMIT - 1024
 SHAPES = ("completion", "chat", "token-ids")
-MODES = ("predicted", "precise")
+MODES = ("direct", "predicted", "precise")
+BASE = "base"  # the stubs' served model: what a request sent to a stub directly names
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
 PACE = 0.01  # seconds between one small request's answer and the next request
 ADMIN_TOKEN = "heavy-bodies-admin"
-SMALL = json.dumps({"model": LOGICAL_ID, "prompt": "a small request " * 8, "max_tokens": 1}).encode()
 
 
-def heavy_body(shape: str, size: int = BODY_SIZE, seed: int = 1) -> bytes:
+def small_body(model: str) -> bytes:
+    return json.dumps({"model": model, "prompt": "a small request " * 8, "max_tokens": 1}).encode()
+
+
+def heavy_body(shape: str, size: int = BODY_SIZE, seed: int = 1, model: str = LOGICAL_ID) -> bytes:
     """A request of ``shape`` (``SHAPES``), ``size`` bytes at most and close to it."""
     rng = random.Random(seed)
-    head: dict[str, object] = {"model": LOGICAL_ID, "max_tokens": 1, "temperature": 0.0}
+    head: dict[str, object] = {"model": model, "max_tokens": 1, "temperature": 0.0}
     room = size - len(json.dumps(head)) - 64
     if shape == "completion":
         words: list[str] = []
@@ -105,9 +111,9 @@ def pinned(replica: str) -> dict[str, str]:
     return {"Content-Type": "application/json", PIN_HEADER: replica, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
 
 
-async def send_heavy(url: str, shape: str, clients: int, replica: str) -> Heavy:
+async def send_heavy(url: str, shape: str, clients: int, replica: str, model: str) -> Heavy:
     """``clients`` clients sending ``shape`` bodies back to back until SIGTERM; what they did."""
-    body = heavy_body(shape)
+    body = heavy_body(shape, model=model)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     latencies: list[float] = []
@@ -123,7 +129,7 @@ async def send_heavy(url: str, shape: str, clients: int, replica: str) -> Heavy:
                 async with session.post(url + route(shape), data=body, headers=pinned(replica)) as response:
                     answer = await response.read()
                 latencies.append(time.perf_counter() - started)
-                if response.status != 200 or f'"model":"{LOGICAL_ID}"'.encode() not in answer:
+                if response.status != 200 or f'"model":"{model}"'.encode() not in answer:
                     errors.append(f"{response.status} {answer[:200]!r}")
                 if len(latencies) == 1:
                     print("first", flush=True)
@@ -144,16 +150,16 @@ class Phase:
         return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
 
 
-async def small_requests(url: str, seconds: float, replica: str) -> Phase:
+async def small_requests(url: str, seconds: float, replica: str, model: str) -> Phase:
     """Small completions one after another (``PACE`` apart) for ``seconds``; each one's latency."""
     latencies: list[float] = []
     errors = 0
-    headers = pinned(replica)
+    headers, small = pinned(replica), small_body(model)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             started = time.perf_counter()
-            async with session.post(url + "/v1/completions", data=SMALL, headers=headers) as response:
+            async with session.post(url + "/v1/completions", data=small, headers=headers) as response:
                 await response.read()
             latencies.append((time.perf_counter() - started) * 1e3)
             errors += response.status != 200
@@ -168,12 +174,22 @@ class Cell:
     heavy: list[Heavy]
 
 
+@dataclass
+class Under:
+    """What one mode measures: where small requests and heavy bodies go, and the model they name."""
+
+    name: str
+    small_url: str
+    heavy_url: str
+    model: str
+
+
 def loaded_phase(
-    fleet: Fleet, url: str, stubs: list[str], shape: str, args: argparse.Namespace, name: str
+    fleet: Fleet, under: Under, stubs: list[str], shape: str, args: argparse.Namespace, name: str
 ) -> tuple[Phase, Heavy]:
     """Small requests while the heavy clients (a child process) send ``shape`` bodies."""
-    argv = [*niced(args), sys.executable, "-m", "loadtest.heavy_bodies", "--send", url, "--shape", shape,
-            "--replica", stubs[1],
+    argv = [*niced(args), sys.executable, "-m", "loadtest.heavy_bodies", "--send", under.heavy_url,
+            "--shape", shape, "--replica", stubs[1], "--model", under.model,
             "--clients", str(args.clients)]  # fmt: skip
     sender = fleet.start(name, argv)
     deadline = time.monotonic() + 120
@@ -181,24 +197,26 @@ def loaded_phase(
         if sender.process.poll() is not None:
             raise RuntimeError(f"the heavy clients exited:\n{sender.tail()}")
         time.sleep(0.05)
-    phase = asyncio.run(small_requests(url, args.seconds, stubs[0]))
+    phase = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
     sender.stop(grace=120)
     heavy = Heavy(**json.loads(sender.tail().strip().splitlines()[-1]))
     return phase, heavy
 
 
-def bench(fleet: Fleet, url: str, stubs: list[str], mode: str, args: argparse.Namespace) -> dict[str, Cell]:
+def bench(fleet: Fleet, under: Under, stubs: list[str], args: argparse.Namespace) -> dict[str, Cell]:
     cells = {shape: Cell([], [], []) for shape in args.shapes}
-    asyncio.run(small_requests(url, 1.0, stubs[0]))  # warm: the adapter loaded, connections open
+    asyncio.run(small_requests(under.small_url, 1.0, stubs[0], under.model))  # warm: adapter loaded
     for number in range(args.rounds):
         for shape in args.shapes:
-            idle = asyncio.run(small_requests(url, args.seconds, stubs[0]))
-            loaded, heavy = loaded_phase(fleet, url, stubs, shape, args, f"heavy-{mode}-{shape}-{number}")
+            idle = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
+            loaded, heavy = loaded_phase(
+                fleet, under, stubs, shape, args, f"heavy-{under.name}-{shape}-{number}"
+            )
             cell = cells[shape]
             cell.idle.append(idle)
             cell.loaded.append(loaded)
             cell.heavy.append(heavy)
-            print(f"  {mode:9} {shape:10} round {number + 1}: "
+            print(f"  {under.name:9} {shape:10} round {number + 1}: "
                   f"idle p50 {idle.p(50):6.1f} p99 {idle.p(99):6.1f} ms; "
                   f"loaded p50 {loaded.p(50):6.1f} p99 {loaded.p(99):6.1f} ms; "
                   f"{heavy.requests} heavy requests (median {heavy.median_s:.2f} s), "
@@ -252,6 +270,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
     parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
     parser.add_argument("--replica", help=argparse.SUPPRESS)  # the stub the heavy bodies are pinned to
+    parser.add_argument("--model", default=LOGICAL_ID, help=argparse.SUPPRESS)  # what they name
     args = parser.parse_args(argv)
     if min(args.rounds, args.clients) < 2 or args.seconds < 1:
         parser.error("--rounds and --clients must be 2 or more, --seconds 1 or more")
@@ -262,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.send:
         print(
-            json.dumps(asdict(asyncio.run(send_heavy(args.send, args.shape, args.clients, args.replica)))),
+            json.dumps(
+                asdict(asyncio.run(send_heavy(args.send, args.shape, args.clients, args.replica, args.model)))
+            ),
             flush=True,
         )
         return 0
@@ -282,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stubs.append(f"http://127.0.0.1:{port}")
                 wait_ready(stub, stubs[-1] + "/v1/models")
             for mode in args.modes:
+                if mode == "direct":  # the stubs alone: what the machine does to the small requests
+                    results[mode] = bench(fleet, Under(mode, stubs[0], stubs[1], BASE), stubs, args)
+                    continue
                 data = f"kvgate-{mode}"
                 fleet.callback(stop_leftover_redis, workdir, data)  # runs after kvgate has stopped
                 publish(workdir, data)
@@ -297,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kvgate = fleet.start(f"kvgate-{mode}", argv)
                 url = f"http://127.0.0.1:{port}"
                 wait_ready(kvgate, url + "/healthz")
-                results[mode] = bench(fleet, url, stubs, mode, args)
+                results[mode] = bench(fleet, Under(mode, url, url, LOGICAL_ID), stubs, args)
                 kvgate.stop()
     text = report(results, args)
     print(text)
