@@ -139,8 +139,8 @@ class Intake:
         if len(raw) <= INLINE_PARSE_BYTES:
             decoded = decode(raw, model_optional=route.model_optional, owned=owned)
         else:
-            parsed = self.parser.parse(raw, route.path, model_optional=route.model_optional, owned=owned)
-            decoded, tokens = await parsed
+            parsing = self.parser.parse(raw, route.path, model_optional=route.model_optional, owned=owned)
+            decoded, tokens = await parsing  # in the parsing process: no other request waits for it
         return ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded, raw, tokens=tokens)
 
     async def _form(

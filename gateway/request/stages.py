@@ -7,7 +7,8 @@ in memory only (the snapshot, the replicas' listings, the tokenizer), each with 
 - split: which of the ID's versions answers, ``Chosen``: the current one, or while a rollout runs the
   candidate for the share of split keys its weight says (``core/split.py``).
 - tokenize: the cache namespace, the prompt's prefix keys and (with KV events) its tokens: the
-  ``Target`` the scheduler decides on.
+  ``Target`` the scheduler decides on. Both cover the prompt's leading blocks only; a large body's
+  tokens and key text were computed where it was parsed (``parsing``), off the event loop.
 
 What a stage hands the next (here, ``ParsedRequest``, ``Target``, the scheduler's ``Decision``, the
 proxy's ``Outbound``) is a slotted dataclass built once per request and never changed afterwards; not a
