@@ -36,6 +36,7 @@ from gateway.request.admin import Admin, AdminOptions
 from gateway.request.parsing import BodyParser
 from gateway.request.routes import Route
 from gateway.table.callers import Caller
+from gateway.telemetry.metrics import Metrics
 
 INLINE_PARSE_BYTES = 32 * 1024
 """Bodies larger than this are decoded in the parsing process (``parsing``): parsing, rendering and
@@ -97,14 +98,19 @@ class ParsedRequest:
 
 class Intake:
     def __init__(
-        self, admin: Admin, replicas: list[Replica], max_body_bytes: int, tokens: PromptTokens | None = None
+        self,
+        admin: Admin,
+        replicas: list[Replica],
+        max_body_bytes: int,
+        tokens: PromptTokens | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``tokens``: the tokenizer the tokenize stage uses, when it tokenizes (a large body's prompt is
         tokenized where it is parsed)."""
         self.admin = admin
         self.replicas = {replica_id(r.url): r for r in replicas}
         self.max_body_bytes = max_body_bytes
-        self.parser = BodyParser(tokens)
+        self.parser = BodyParser(tokens, metrics)
 
     def close(self) -> None:
         self.parser.close()

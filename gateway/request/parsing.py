@@ -11,7 +11,8 @@ the ``bounded`` body: what the request path reads, whatever the body's size. The
 sending the bytes and for unpickling a bounded result.
 
 A parsing process that dies (killed, out of memory) fails no request: its pool is replaced and that one
-body is parsed in a worker thread, as a last resort.
+body is parsed in a worker thread, as a last resort; it is logged, and counted in
+``kvgate_large_bodies_total{parsed_in="thread"}`` (``"process"``: each large body parsed as it should be).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import replace
 
 from gateway.core.body import Body, bounded, decode
 from gateway.kv.prompt_tokens import PromptTokens, Tokens, of_route
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ def parse(raw: bytes, path: str, model_optional: bool, owned: frozenset[str]) ->
 class BodyParser:
     """The parsing process of one kvgate process (``close`` stops it)."""
 
-    def __init__(self, tokens: PromptTokens | None) -> None:
+    def __init__(self, tokens: PromptTokens | None, metrics: Metrics | None = None) -> None:
         self.tokens = tokens
+        self.metrics = metrics
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     async def parse(
@@ -69,9 +72,15 @@ class BodyParser:
             if self.pool is pool:
                 self.pool = None
             pool.shutdown(wait=False, cancel_futures=True)
+            self._count("thread")
             body = await asyncio.to_thread(decode, raw, model_optional=model_optional, owned=owned)
             return body, None
+        self._count("process")
         return replace(body, raw=raw), tokens
+
+    def _count(self, parsed_in: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.large_bodies, parsed_in).inc()
 
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self.pool is None:

@@ -149,7 +149,9 @@ class Proxy:
             PREFIX_CHARS if choosing else BLOCK_CHARS,
             options.tokens if choosing and scheduler.precise is not None else None,
         )
-        self.intake = Intake(admin, pool.replicas, options.max_body_bytes, keying.tokens)  # stages 1 and 2
+        self.intake = Intake(
+            admin, pool.replicas, options.max_body_bytes, keying.tokens, metrics
+        )  # stages 1, 2
         self.targeting = Targeting(  # stages 3 to 5
             snapshot,
             pool,

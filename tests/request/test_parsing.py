@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from gateway.core import body as body_module
@@ -32,6 +33,7 @@ from gateway.kv.prompt_tokens import (
 )
 from gateway.request import parsing
 from gateway.request.parsing import BodyParser
+from gateway.telemetry.metrics import Metrics
 from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import eventually
 from tests.support.edge import kvgate
@@ -194,3 +196,28 @@ def test_bounded_leaves_out_big_members_but_keeps_what_the_path_reads() -> None:
     assert body.doc["messages"] == messages[: len(body.doc["messages"])]
     assert 60 < len(body.doc["messages"]) < 80  # those that show in the first PREFIX_CHARS characters
     assert body.head == prompt_text(doc)
+
+
+async def test_a_parsing_process_that_dies_fails_no_request_and_is_counted() -> None:
+    """The parsing process killed: that body is parsed in a thread (counted ``thread``), the next one in
+    a new parsing process (``process``)."""
+    metrics = Metrics(CollectorRegistry())
+    parser = BodyParser(None, metrics)
+    raw = orjson.dumps(big("token ids", 200_000))
+    counted = metrics.large_bodies
+    try:
+        first, _ = await parser.parse(raw, COMPLETIONS, model_optional=False, owned=frozenset())
+        assert parser.pool is not None
+        (child,) = parser.pool._processes.values()  # the one process this parser started
+        child.kill()
+        await eventually(
+            lambda: parser.pool is None or bool(parser.pool._broken), "the pool saw its process die"
+        )
+        again, _ = await parser.parse(raw, COMPLETIONS, model_optional=False, owned=frozenset())
+        after, _ = await parser.parse(raw, COMPLETIONS, model_optional=False, owned=frozenset())
+    finally:
+        parser.close()
+    assert first.head == after.head == prompt_text(again.doc)  # the thread gives the whole body
+    assert forwarded(again, {"model": "v"}) == forwarded(first, {"model": "v"})
+    assert counted.labels("thread")._value.get() == 1
+    assert counted.labels("process")._value.get() == 2
