@@ -131,6 +131,13 @@ loadtest-stacks: $(VENV)/.done
 	test -x $(VENV)/bin/granian || $(PY) -m pip install $(PIP_QUIET) granian
 	$(PY) -m loadtest.stack_compare --rounds 3 --seconds 3 --out docs/perf.md
 
+# Heavy bodies beside small requests (loadtest/heavy_bodies.py): 8 clients sending 4 MB bodies of each shape
+# (a completion prompt, chat with many messages, token ids) through kvgate in front of two stubs, predicted and
+# precise routing; small requests' p50/p99 idle and loaded side by side: docs/edge-parsing.md's block.
+.PHONY: loadtest-heavy
+loadtest-heavy: $(VENV)/.done $(FIXTURE_DIR)/.done
+	$(PY) -m loadtest.heavy_bodies --rounds 3 --tokenizer $(FIXTURE_DIR)/model --out docs/edge-parsing.md
+
 # kvgate's real routing code (a simulation, a few minutes): predicted against precise (KV events) side by side
 # at 1, 2, 4 and 8 independent kvgate processes, each with its own predicted index, on shared prefixes and
 # multi-turn conversations; every missed block with its reason: docs/prefix_routing.md.

@@ -1,17 +1,29 @@
-"""Do heavy bodies stall kvgate's event loop? ``/healthz`` latency while 8 clients send 4 MB prompts.
+"""Do heavy bodies hold other clients? Small requests' p50/p99 idle and while 8 clients send 4 MB bodies.
 
-Every server runs in its own process on loopback: the vLLM-API stub (``loadtest/stub_server.py``) and
-``kvgate serve`` (an adapter published through ``kvgate publish``, embedded Redis), started with the
-helpers of ``loadtest/proxy_overhead.py``. Each round, ``--clients`` concurrent clients each send
-``--requests`` completions whose prompt is a list of token ids just under kvgate's body limit (4 MiB),
-while a prober here sends ``GET /healthz`` back to back. ``/healthz`` does no work of its own, so its
-latency is how long the event loop was busy with something else. The same probe on an idle kvgate is the
-baseline. Figures are medians over rounds (the machine is shared and noisy).
+Every server runs in its own process on loopback: two vLLM-API stubs (``loadtest/stub_server.py``; two, so
+prefix keys and tokens decide something) and ``kvgate serve --workers 1`` (an adapter published through
+``kvgate publish``, embedded Redis), started with the helpers of ``loadtest/proxy_overhead.py``. First
+the stubs alone (``direct``: small requests to one, heavy bodies to the other): what the machine itself
+does to the small requests when 8 clients move 4 MB bodies; then kvgate, twice, with precise routing off
+(the predicted index) and on (``--kv-events --tokenizer DIR``, the fixture model's tokenizer and chat
+template; the stubs publish no events, which changes nothing here).
+Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
+stage still runs): the stub parses each body on its own event loop, and a small request queued there
+behind a 4 MB parse would measure the stub. The stubs and the heavy clients stand for other machines:
+on a small machine they run niced (``--others-nice``, 19 by default; 0 to compete with kvgate for the
+cores as they come).
 
-Run from the repository root::
+Each round, for each body shape, the same prober sends small completions one after another through kvgate
+(for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
+separate process send bodies of that shape just under kvgate's 4 MiB body limit, back to back (loaded).
+The shapes: ``completion`` (a 4 MB prompt string), ``chat`` (many short messages), ``token-ids`` (a prompt
+as a list of token ids, with a client ``cache_salt``: a body kvgate must serialize again). Each figure is the
+median over rounds (the machine is shared and noisy: read the ratios, measured in the same run).
 
-    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--requests 3] \
-        [--out docs/edge-parsing.md]
+Run from the repository root (``make loadtest-heavy``)::
+
+    .venv/bin/python -m loadtest.heavy_bodies [--rounds 3] [--clients 8] [--seconds 10] \
+        [--tokenizer .cache/fixture/model] [--out docs/edge-parsing.md]
 """
 
 from __future__ import annotations
@@ -20,140 +32,226 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 
+from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.dev import generated_docs
 from gateway.process.http_edge import free_port
 from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_redis, wait_ready
 
 BODY_LIMIT = 4 * 1024 * 1024  # kvgate's default max_body_bytes
+BODY_SIZE = BODY_LIMIT - 1024
+SHAPES = ("completion", "chat", "token-ids")
+MODES = ("direct", "predicted", "precise")
+BASE = "base"  # the stubs' served model: what a request sent to a stub directly names
+WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
+PACE = 0.01  # seconds between one small request's answer and the next request
+ADMIN_TOKEN = "heavy-bodies-admin"
 
 
-def heavy_body(size: int, seed: int) -> bytes:
-    """A completion request whose prompt is token ids, ``size`` bytes at most (and close to it)."""
+def small_body(model: str) -> bytes:
+    return json.dumps({"model": model, "prompt": "a small request " * 8, "max_tokens": 1}).encode()
+
+
+def heavy_body(shape: str, size: int = BODY_SIZE, seed: int = 1, model: str = LOGICAL_ID) -> bytes:
+    """A request of ``shape`` (``SHAPES``), ``size`` bytes at most and close to it."""
     rng = random.Random(seed)
-    head = {"model": LOGICAL_ID, "max_tokens": 1, "temperature": 0.0, "cache_salt": "client-chosen"}
+    head: dict[str, object] = {"model": model, "max_tokens": 1, "temperature": 0.0}
+    room = size - len(json.dumps(head)) - 64
+    if shape == "completion":
+        words: list[str] = []
+        while room > 0:
+            words.append(rng.choice(WORDS))
+            room -= len(words[-1]) + 1
+        return json.dumps({**head, "prompt": " ".join(words)}).encode()
+    if shape == "chat":
+        messages: list[dict[str, str]] = []
+        while room > 0:
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(10, 40)))
+            messages.append({"role": ("user", "assistant")[len(messages) % 2], "content": text})
+            room -= len(json.dumps(messages[-1])) + 2
+        if messages[-1]["role"] == "assistant":
+            messages.pop()
+        return json.dumps({**head, "messages": messages}).encode()
+    head["cache_salt"] = "client-chosen"
     tokens: list[int] = []
-    length = len(json.dumps(head)) + len(', "prompt": []')
-    while True:
-        token = rng.randrange(150_000)
-        extra = len(str(token)) + 2
-        if length + extra > size:
-            break
-        tokens.append(token)
-        length += extra
+    while room > 0:
+        tokens.append(rng.randrange(4000))
+        room -= len(str(tokens[-1])) + 2
     return json.dumps({**head, "prompt": tokens}).encode()
 
 
+def route(shape: str) -> str:
+    return "/v1/chat/completions" if shape == "chat" else "/v1/completions"
+
+
+# --- the heavy clients, in their own process ------------------------------------------------------
+
+
 @dataclass
-class Round:
-    probes_ms: list[float]
-    requests_ms: list[float]
+class Heavy:
+    """What the heavy clients did in one phase (their process prints it as JSON)."""
+
+    requests: int
+    median_s: float
     errors: list[str]
 
-    def probe_median(self) -> float:
-        return statistics.median(self.probes_ms)
 
-    def probe_p90(self) -> float:
-        return (
-            statistics.quantiles(self.probes_ms, n=10)[-1] if len(self.probes_ms) > 1 else self.probes_ms[0]
-        )
-
-    def probe_max(self) -> float:
-        return max(self.probes_ms)
+def pinned(replica: str) -> dict[str, str]:
+    """Headers that pin a request to ``replica`` (the admin header)."""
+    return {"Content-Type": "application/json", PIN_HEADER: replica, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
 
 
-async def probe_once(session: aiohttp.ClientSession, url: str) -> float:
-    """One ``GET /healthz``; its latency in ms."""
-    started = time.perf_counter()
-    async with session.get(url + "/healthz") as response:
-        await response.read()
-    return (time.perf_counter() - started) * 1e3
-
-
-async def probe(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, out: list[float]) -> None:
-    while not stop.is_set():
-        out.append(await probe_once(session, url))
-        await asyncio.sleep(0.005)
-
-
-async def idle(session: aiohttp.ClientSession, url: str, count: int = 50) -> list[float]:
-    out = []
-    for _ in range(count):
-        out.append(await probe_once(session, url))
-        await asyncio.sleep(0.005)
-    return out
-
-
-async def heavy_round(
-    session: aiohttp.ClientSession, url: str, body: bytes, args: argparse.Namespace
-) -> Round:
+async def send_heavy(url: str, shape: str, clients: int, replica: str, model: str) -> Heavy:
+    """``clients`` clients sending ``shape`` bodies back to back until SIGTERM; what they did."""
+    body = heavy_body(shape, model=model)
     stop = asyncio.Event()
-    probes: list[float] = []
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     latencies: list[float] = []
     errors: list[str] = []
-
-    async def client() -> None:
-        for _ in range(args.requests):
-            started = time.perf_counter()
-            headers = {"Content-Type": "application/json"}
-            async with session.post(url + "/v1/completions", data=body, headers=headers) as response:
-                answer = await response.read()
-            latencies.append((time.perf_counter() - started) * 1e3)
-            if response.status != 200 or f'"model":"{LOGICAL_ID}"'.encode() not in answer:
-                errors.append(f"{response.status} {answer[:200]!r}")
-
-    prober = asyncio.ensure_future(probe(session, url, stop, probes))
-    await asyncio.gather(*(client() for _ in range(args.clients)))
-    stop.set()
-    await prober
-    return Round(probes, latencies, errors)
-
-
-async def bench(url: str, args: argparse.Namespace) -> tuple[list[float], list[Round]]:
-    body = heavy_body(BODY_LIMIT - 1024, seed=1)
-    print(f"body: {len(body):,} bytes, {body.count(b',') - 3:,} token ids", flush=True)
     timeout = aiohttp.ClientTimeout(total=300)
-    connector = aiohttp.TCPConnector(limit=args.clients + 2)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        warm = await heavy_round(session, url, body, argparse.Namespace(clients=1, requests=1))
-        if warm.errors:
-            raise RuntimeError("the warm-up request failed")
-        baseline = await idle(session, url)
-        print(f"idle /healthz: median {statistics.median(baseline):.1f} ms", flush=True)
-        rounds = []
-        for number in range(args.rounds):
-            result = await heavy_round(session, url, body, args)
-            rounds.append(result)
-            print(f"  round {number + 1}: /healthz median {result.probe_median():7.1f} ms, p90 "
-                  f"{result.probe_p90():7.1f} ms, max "
-                  f"{result.probe_max():7.1f} ms ({len(result.probes_ms)} probes); heavy request median "
-                  f"{statistics.median(result.requests_ms):7.1f} ms, {len(result.errors)} errors",
-                  *result.errors, sep="\n    ", flush=True)  # fmt: skip
-    return baseline, rounds
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=clients)
+    ) as session:
+
+        async def client() -> None:
+            while not stop.is_set():
+                started = time.perf_counter()
+                async with session.post(url + route(shape), data=body, headers=pinned(replica)) as response:
+                    answer = await response.read()
+                latencies.append(time.perf_counter() - started)
+                if response.status != 200 or f'"model":"{model}"'.encode() not in answer:
+                    errors.append(f"{response.status} {answer[:200]!r}")
+                if len(latencies) == 1:
+                    print("first", flush=True)
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return Heavy(len(latencies), statistics.median(latencies), errors)
 
 
-def report(baseline: list[float], rounds: list[Round], args: argparse.Namespace) -> str:
-    def med(values: Sequence[float]) -> str:
-        return f"{statistics.median(values):,.1f}"
+# --- the prober -----------------------------------------------------------------------------------
 
-    errors = sum(len(r.errors) for r in rounds)
-    return "\n".join([
-        "| idle /healthz median | under load: median | p90 | max | heavy request median | errors |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| {med(baseline)} ms | {med([r.probe_median() for r in rounds])} ms "
-        f"| {med([r.probe_p90() for r in rounds])} ms | {med([r.probe_max() for r in rounds])} ms "
-        f"| {med([statistics.median(r.requests_ms) for r in rounds])} ms "
-        f"| {errors} of {args.rounds * args.clients * args.requests} |",
-    ])  # fmt: skip
+
+@dataclass
+class Phase:
+    latencies_ms: list[float]
+    errors: int
+
+    def p(self, q: int) -> float:
+        return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
+
+
+async def small_requests(url: str, seconds: float, replica: str, model: str) -> Phase:
+    """Small completions one after another (``PACE`` apart) for ``seconds``; each one's latency."""
+    latencies: list[float] = []
+    errors = 0
+    headers, small = pinned(replica), small_body(model)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            async with session.post(url + "/v1/completions", data=small, headers=headers) as response:
+                await response.read()
+            latencies.append((time.perf_counter() - started) * 1e3)
+            errors += response.status != 200
+            await asyncio.sleep(PACE)
+    return Phase(latencies, errors)
+
+
+@dataclass
+class Cell:
+    idle: list[Phase]
+    loaded: list[Phase]
+    heavy: list[Heavy]
+
+
+@dataclass
+class Under:
+    """What one mode measures: where small requests and heavy bodies go, and the model they name."""
+
+    name: str
+    small_url: str
+    heavy_url: str
+    model: str
+
+
+def loaded_phase(
+    fleet: Fleet, under: Under, stubs: list[str], shape: str, args: argparse.Namespace, name: str
+) -> tuple[Phase, Heavy]:
+    """Small requests while the heavy clients (a child process) send ``shape`` bodies."""
+    argv = [*niced(args), sys.executable, "-m", "loadtest.heavy_bodies", "--send", under.heavy_url,
+            "--shape", shape, "--replica", stubs[1], "--model", under.model,
+            "--clients", str(args.clients)]  # fmt: skip
+    sender = fleet.start(name, argv)
+    deadline = time.monotonic() + 120
+    while "first" not in sender.tail() and time.monotonic() < deadline:  # their bodies are arriving
+        if sender.process.poll() is not None:
+            raise RuntimeError(f"the heavy clients exited:\n{sender.tail()}")
+        time.sleep(0.05)
+    phase = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
+    sender.stop(grace=120)
+    heavy = Heavy(**json.loads(sender.tail().strip().splitlines()[-1]))
+    return phase, heavy
+
+
+def bench(fleet: Fleet, under: Under, stubs: list[str], args: argparse.Namespace) -> dict[str, Cell]:
+    cells = {shape: Cell([], [], []) for shape in args.shapes}
+    asyncio.run(small_requests(under.small_url, 1.0, stubs[0], under.model))  # warm: adapter loaded
+    for number in range(args.rounds):
+        for shape in args.shapes:
+            idle = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
+            loaded, heavy = loaded_phase(
+                fleet, under, stubs, shape, args, f"heavy-{under.name}-{shape}-{number}"
+            )
+            cell = cells[shape]
+            cell.idle.append(idle)
+            cell.loaded.append(loaded)
+            cell.heavy.append(heavy)
+            print(f"  {under.name:9} {shape:10} round {number + 1}: "
+                  f"idle p50 {idle.p(50):6.1f} p99 {idle.p(99):6.1f} ms; "
+                  f"loaded p50 {loaded.p(50):6.1f} p99 {loaded.p(99):6.1f} ms; "
+                  f"{heavy.requests} heavy requests (median {heavy.median_s:.2f} s), "
+                  f"{len(heavy.errors)} errors {heavy.errors[:3]}", flush=True)  # fmt: skip
+    return cells
+
+
+def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str:
+    def med(values: Sequence[float]) -> float:
+        return statistics.median(values)
+
+    rows = [
+        "| routing | body shape | idle p50 | loaded p50 | idle p99 | loaded p99 | p99 loaded / idle "
+        "| heavy requests (median s) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, cells in results.items():
+        for shape, cell in cells.items():
+            ratio = med([lo.p(99) / idle.p(99) for idle, lo in zip(cell.idle, cell.loaded, strict=True)])
+            heavy = sum(h.requests for h in cell.heavy)
+            errors = sum(len(h.errors) for h in cell.heavy) + sum(p.errors for p in cell.idle + cell.loaded)
+            seconds = med([h.median_s for h in cell.heavy])
+            idle50, idle99 = med([p.p(50) for p in cell.idle]), med([p.p(99) for p in cell.idle])
+            loaded50, loaded99 = med([p.p(50) for p in cell.loaded]), med([p.p(99) for p in cell.loaded])
+            rows.append(
+                f"| {mode} | {shape} | {idle50:.1f} ms | {loaded50:.1f} ms | {idle99:.1f} ms "
+                f"| {loaded99:.1f} ms | **{ratio:.2f} x** | {heavy} ({seconds:.2f} s) | {errors} |"
+            )
+    return "\n".join(rows)
+
+
+def niced(args: argparse.Namespace) -> list[str]:
+    """The stubs and the heavy clients stand for other machines: niced, so that on this small machine
+    what the prober sees is kvgate's doing rather than the scheduler sharing its cores among them."""
+    return ["nice", "-n", str(args.others_nice)] if args.others_nice else []
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -162,46 +260,81 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent heavy clients (default 8)")
-    parser.add_argument("--requests", type=int, default=3, help="heavy requests per client and round")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each phase's length (default 10 s)")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tokenizer", type=Path, default=Path(".cache/fixture/model"),
+                        help="the base model directory precise routing tokenizes with")  # fmt: skip
+    parser.add_argument("--others-nice", type=int, default=19, help="the stubs' and heavy clients' niceness")
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
+    parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
+    parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
+    parser.add_argument("--replica", help=argparse.SUPPRESS)  # the stub the heavy bodies are pinned to
+    parser.add_argument("--model", default=LOGICAL_ID, help=argparse.SUPPRESS)  # what they name
     args = parser.parse_args(argv)
-    if min(args.rounds, args.clients, args.requests) < 1:
-        parser.error("--rounds, --clients and --requests must be positive")
+    if min(args.rounds, args.clients) < 2 or args.seconds < 1:
+        parser.error("--rounds and --clients must be 2 or more, --seconds 1 or more")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.send:
+        print(
+            json.dumps(
+                asdict(asyncio.run(send_heavy(args.send, args.shape, args.clients, args.replica, args.model)))
+            ),
+            flush=True,
+        )
+        return 0
+    if "precise" in args.modes and not (args.tokenizer / "tokenizer.json").is_file():
+        raise SystemExit(f"{args.tokenizer} holds no tokenizer.json (make setup builds the fixture)")
     generated_docs.started_tree()  # the tree measured, taken before the run
     py = sys.executable
+    results: dict[str, dict[str, Cell]] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
         workdir = Path(tmp)
         with Fleet(workdir) as fleet:
-            fleet.callback(stop_leftover_redis, workdir)  # runs after kvgate has stopped
-            stub_port = free_port()
-            stub = fleet.start("stub", [py, "-m", "loadtest.stub_server", "--port", str(stub_port)])
-            stub_url = f"http://127.0.0.1:{stub_port}"
-            wait_ready(stub, stub_url + "/v1/models")
-            publish(workdir)
-            kv_port = free_port()
-            kvgate = fleet.start("kvgate", [py, "-m", "gateway.cli", "serve", "--replica", stub_url,
-                                            "--data-dir", str(workdir / "kvgate"),
-                                            "--store", str(workdir / "store"),
-                                            "--port", str(kv_port), "--workers", "1"])  # fmt: skip
-            kv_url = f"http://127.0.0.1:{kv_port}"
-            wait_ready(kvgate, kv_url + "/healthz")
-            baseline, rounds = asyncio.run(bench(kv_url, args))
-    text = report(baseline, rounds, args)
-    print("figures under load are medians over rounds of each round's median, p90 and max")
+            stubs = []
+            for number in range(2):
+                port = free_port()
+                stub_argv = [*niced(args), py, "-m", "loadtest.stub_server", "--port", str(port)]
+                stub = fleet.start(f"stub-{number}", stub_argv)
+                stubs.append(f"http://127.0.0.1:{port}")
+                wait_ready(stub, stubs[-1] + "/v1/models")
+            for mode in args.modes:
+                if mode == "direct":  # the stubs alone: what the machine does to the small requests
+                    results[mode] = bench(fleet, Under(mode, stubs[0], stubs[1], BASE), stubs, args)
+                    continue
+                data = f"kvgate-{mode}"
+                fleet.callback(stop_leftover_redis, workdir, data)  # runs after kvgate has stopped
+                publish(workdir, data)
+                port = free_port()
+                flags = (
+                    ["--kv-events", "--tokenizer", str(args.tokenizer.resolve())] if mode == "precise" else []
+                )
+                argv = [py, "-m", "gateway.cli", "serve", "--data-dir", str(workdir / data),
+                        "--store", str(workdir / "store"), "--port", str(port),
+                        "--workers", "1", "--admin-token", ADMIN_TOKEN, *flags]  # fmt: skip
+                for stub_url in stubs:
+                    argv += ["--replica", stub_url]
+                kvgate = fleet.start(f"kvgate-{mode}", argv)
+                url = f"http://127.0.0.1:{port}"
+                wait_ready(kvgate, url + "/healthz")
+                results[mode] = bench(fleet, Under(mode, url, url, LOGICAL_ID), stubs, args)
+                kvgate.stop()
+    text = report(results, args)
     print(text)
     if args.out is not None:
-        size = len(heavy_body(BODY_LIMIT - 1024, seed=1))
+        sizes = ", ".join(f"{shape} {len(heavy_body(shape)):,}" for shape in args.shapes)
         generated_docs.write_block(args.out, generated_docs.measured(
-            f"{args.clients} clients, {args.requests} heavy requests each per round ({size:,} bytes a body), "
-            f"{args.rounds} rounds; each figure under load is the median over rounds of each round's median, "
-            f"p90 and maximum.\n\n{text}"
+            f"{args.clients} heavy clients back to back; small completions one after another for "
+            f"{args.seconds:g} s a phase (idle, then loaded, per shape and round), {args.rounds} rounds; "
+            f"stubs and heavy clients at nice {args.others_nice}; body bytes: {sizes}. Each figure is the "
+            f"median over rounds; the ratio is each round's loaded p99 over its idle p99.\n\n{text}"
         ))  # fmt: skip
-    return 1 if any(r.errors for r in rounds) else 0
+    errors = sum(len(h.errors) for cells in results.values() for c in cells.values() for h in c.heavy)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -318,4 +318,5 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         )  # fmt: skip
         yield
         app[PROXY].upstream.close()
+        app[PROXY].intake.close()  # its body parsing process
         await app[LOADER].stop()  # loads in flight, before the session they use closes

@@ -1,7 +1,10 @@
 """A request body, read once: parsed with a depth limit, checked, and made ready to forward.
 
-Everything here costs in proportion to the body and nothing else does, so the proxy runs it in a worker
-thread for large bodies and the event loop never parses, renders or serializes a 4 MB prompt itself.
+Everything here costs in proportion to the body and nothing else does, so the proxy runs it in a
+separate process for large bodies (``request.parsing``), which hands back a ``bounded`` body: the event
+loop never parses, renders or serializes a 4 MB prompt, nor holds its objects. Going up, ``forwarded``
+only copies bytes: where ``model``'s value sits in the client's bytes (``splice``), or the body already
+serialized without the gateway's members (``rest``), is found here, at decode.
 ``orjson`` parses (it refuses nesting deeper than 1,024 levels and invalid UTF-8 with a ValueError, where
 the standard library's parser recursed until RecursionError). Going up, the client's bytes are spliced,
 not serialized again: ``model``'s value is replaced in place and the gateway's own members appended
@@ -24,7 +27,7 @@ before any replica sees it: ``kv.index``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -32,6 +35,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
 from gateway.core.model import TOKEN_ID_END, is_token_id
+from gateway.core.prefix import PREFIX_CHARS, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``
@@ -40,15 +44,21 @@ _OWNED = frozenset(("model", *CLIENT_NAMESPACE_FIELDS))
 
 @dataclass(frozen=True, slots=True)
 class Body:
-    doc: dict[str, Any]
+    doc: dict[str, Any]  # the whole document, or ``bounded``'s (then ``head`` is set)
     model: str
     stream: bool
     namespaced: bool  # the client sent a cache namespace field (it is never forwarded)
     raw: bytes  # the body as the client sent it
     skip: frozenset[str]  # the members the gateway owns on this route (never forwarded as sent)
     owned_sent: bool  # the client sent one of them besides ``model``
+    splice: tuple[int, int, int] | None = None  # ``model``'s value in ``raw`` (at, length) and its end
+    rest: bytes | None = None  # else: the body serialized without the members in ``skip``
+    head: str | None = None  # a bounded ``doc``: the prompt's first ``PREFIX_CHARS`` (``prompt_text``)
 
 
+BOUNDED_MEMBER = 16 * 1024
+"""A top-level member (other than ``prompt`` and ``messages``) serialized over this many bytes is left out
+of a ``bounded`` document: the request path reads no such member (the whole body goes upstream)."""
 _NESTING_SAFE = 254  # fewer '{' and '[' bytes than this: the body cannot be nested deeper than orjson writes
 _SPACE = b" \t\r\n"
 _ESCAPED_LETTER = re.compile(rb"\\u006[45cdfCDF]")  # a \u escape of d, e, l, m or o: could spell "model"
@@ -74,11 +84,50 @@ def decode(raw: bytes, *, model_optional: bool = False, owned: frozenset[str] = 
     stream = stream_flag(doc.get("stream"))
     check_token_ids(doc.get("prompt"))
     skip = _OWNED | owned
+    rest = None
     if raw.count(b"{") + raw.count(b"[") >= _NESTING_SAFE:  # maybe that deep: the one limit for every body
-        _without(doc, skip)
+        rest = _without(doc, skip)
     namespaced = any(field in doc for field in CLIENT_NAMESPACE_FIELDS)
     owned_sent = namespaced or any(key in doc for key in owned)
-    return Body(doc, model, stream, namespaced, raw, skip, owned_sent)
+    splice = None if owned_sent else _splice_point(raw, doc)
+    if splice is None and rest is None:
+        rest = _without(doc, skip)
+    return Body(doc, model, stream, namespaced, raw, skip, owned_sent, splice, rest)
+
+
+def bounded(body: Body) -> Body:
+    """``body`` with what grows with it cut to what the request path reads from it, and without its
+    bytes (the caller has them): the request path can take it from another process for the cost of
+    its bounded size. Its ``doc`` keeps every top-level member but a big one (serialized over
+    ``BOUNDED_MEMBER`` bytes), ``prompt`` and ``messages``: a ``prompt`` string cut to ``PREFIX_CHARS``
+    characters, a list of them (or of token ids) and ``messages`` to the items that show in ``head``,
+    the prompt's first ``PREFIX_CHARS`` characters as prefix keys see it (``prompt_text``).
+    Everything the request path computes from it equals what it computes from the whole ``body``:
+    the prefix keys (``head``), the split key and the follow-up id (top-level scalars, the leading
+    messages), the forwarded bytes (``splice`` or ``rest``); the tokens of a large body are computed
+    where it is parsed (``request.parsing``)."""
+    doc = body.doc
+    head = prompt_text(doc, PREFIX_CHARS)
+    small: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key == "prompt" and isinstance(value, str):
+            small[key] = value[:PREFIX_CHARS]
+        elif key in ("prompt", "messages") and isinstance(value, list):
+            small[key] = _leading(value, len(head))
+        elif not isinstance(value, dict | list | str) or len(orjson.dumps(value)) <= BOUNDED_MEMBER:
+            small[key] = value
+    return replace(body, doc=small, raw=b"", head=head)
+
+
+def _leading(items: list[Any], chars: int) -> list[Any]:
+    """The items whose rendering begins within the first ``chars`` characters of the list's."""
+    shown, size = [], 1
+    for item in items:
+        if size >= chars:
+            break
+        shown.append(item)
+        size += len(orjson.dumps(item)) + 1
+    return shown
 
 
 def check_token_ids(prompt: object) -> None:
@@ -114,22 +163,27 @@ def _without(doc: dict[str, Any], skip: frozenset[str]) -> bytes:
 
 def forwarded(body: Body, owned: dict[str, str]) -> bytes:
     """The body a replica gets: ``owned`` (the gateway's members) in it, none of the client's owned
-    members. The client's bytes with ``model``'s value replaced in place when that is exact (see
-    ``_in_place``), else the body serialized once without the owned members and ``owned`` spliced in."""
-    spliced = _in_place(body, owned)
-    return spliced if spliced is not None else splice(_without(body.doc, body.skip), owned)
+    members. The client's bytes with ``model``'s value replaced in place where ``decode`` found that
+    exact (``splice``), else the body serialized once without the owned members (``rest``) and
+    ``owned`` spliced in. Only bytes are copied here, whatever the body's size."""
+    if body.splice is None or "model" not in owned:
+        rest = body.rest if body.rest is not None else _without(body.doc, body.skip)
+        return splice(rest, owned)
+    at, length, end = body.splice
+    others = {key: text for key, text in owned.items() if key != "model"}
+    tail = b"," + orjson.dumps(others)[1:] if others else b"}"
+    raw = memoryview(body.raw)
+    return b"".join((raw[:at], orjson.dumps(owned["model"]), raw[at + length : end - 1], tail))
 
 
-def _in_place(body: Body, owned: dict[str, str]) -> bytes | None:
-    """The client's bytes with the value of its one top-level ``model`` member replaced by
-    ``owned["model"]`` and the other gateway members appended, or None when that cannot be exact: the
-    client sent another owned member, no ``model`` is to be written, or ``"model"`` is spelled other than
-    once literally (a ``\\u`` escape of one of its letters could spell a key ``model`` that a byte search
-    would not see, and a second ``"model"`` could be a nested key or a value). Without such escapes, the
-    one literal ``"model"`` in a body whose top level has that member is its key; its value must then be
-    exactly what orjson writes for it."""
-    raw = body.raw
-    if body.owned_sent or "model" not in owned or "model" not in body.doc or _ESCAPED_LETTER.search(raw):
+def _splice_point(raw: bytes, doc: dict[str, Any]) -> tuple[int, int, int] | None:
+    """Where the value of the body's one top-level ``model`` member is in ``raw`` (its offset and
+    length) and where the object ends, or None when replacing it in place cannot be exact: no string
+    ``model``, or ``"model"`` spelled other than once literally (a ``\\u`` escape of one of its letters
+    could spell a key ``model`` that a byte search would not see, and a second ``"model"`` could be a
+    nested key or a value). Without such escapes, the one literal ``"model"`` in a body whose top level
+    has that member is its key; its value must then be exactly what orjson writes for it."""
+    if not isinstance(doc.get("model"), str) or _ESCAPED_LETTER.search(raw):
         return None
     at = raw.find(b'"model"')
     if at < 0 or raw.find(b'"model"', at + 7) >= 0:
@@ -138,13 +192,11 @@ def _in_place(body: Body, owned: dict[str, str]) -> bytes | None:
     if raw[value : value + 1] != b":":
         return None
     value = len(raw) - len(raw[value + 1 :].lstrip(_SPACE))
-    old = orjson.dumps(body.doc["model"])
+    old = orjson.dumps(doc["model"])
     end = len(raw.rstrip(_SPACE))
     if not raw.startswith(old, value) or raw[end - 1 : end] != b"}":
         return None
-    rest = {key: text for key, text in owned.items() if key != "model"}
-    tail = b"," + orjson.dumps(rest)[1:] if rest else b"}"
-    return b"".join((raw[:value], orjson.dumps(owned["model"]), raw[value + len(old) : end - 1], tail))
+    return value, len(old), end
 
 
 def stream_flag(value: object) -> bool:
@@ -167,4 +219,4 @@ def splice(rest: bytes, owned: dict[str, str]) -> bytes:
         return rest
     if len(rest) <= 2:  # b"{}"
         return members
-    return rest[:-1] + b"," + members[1:]
+    return b"".join((memoryview(rest)[:-1], b",", members[1:]))  # one copy of ``rest``, not two

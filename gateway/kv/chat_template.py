@@ -89,8 +89,22 @@ class ChatTemplate:
         self.content_format = _content_format(ast)
         self.developer = '"developer"' in source or "'developer'" in source
 
-    def render(self, **variables: Any) -> str:
-        return self.template.render(**variables)
+    def render(self, limit: int | None = None, /, **variables: Any) -> str:
+        """The template rendered; with ``limit``, only until more than ``limit`` characters are out
+        (jinja renders in order: that text is the start of the whole one, whatever follows)."""
+        if limit is None:
+            return self.template.render(**variables)
+        pieces, size = [], 0
+        for piece in self.template.generate(**variables):
+            pieces.append(piece)
+            size += len(piece)
+            if size > limit:
+                break
+        return "".join(pieces)
+
+    def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str]]:
+        """Compiled anew where it is unpickled (the parsing process: ``request.parsing``)."""
+        return ChatTemplate, (self.source,)
 
 
 # --- vLLM's content format detection (vllm/renderers/hf.py, _iter_nodes_assign_content_item) ----------

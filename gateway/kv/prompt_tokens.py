@@ -21,9 +21,13 @@ zone (``strftime_now``).
 
 A prompt longer than ``MAX_CHARS`` is cut, and the tokens near the cut (``CUT_MARGIN``) dropped: keys
 need only the leading full blocks, and the tokenizer holds the GIL (``tokenizers`` encodes one text
-without releasing it), so the cut bounds how long one request holds the event loop
-(``loadtest/precise_index.py`` measures it). The tokens of a prompt tokenized whole are ``Whole``: the
-live check (``kv.live_check``) compares their count with the replica's ``usage.prompt_tokens``.
+without releasing it), so the cut bounds how long one request holds it (``loadtest/precise_index.py``
+measures it). For the same reason a chat template is rendered only until its text passes ``MAX_CHARS``
+(jinja renders in order, so that is the start of the whole text; a failure of the template further on
+is then vLLM's 400, not seen here), and of a prompt given as token ids only the first ``MAX_TOKENS``
+are walked. A large body is tokenized where it is parsed, in the parsing process (``request.parsing``). The tokens of a prompt
+tokenized whole are ``Whole``: the live check (``kv.live_check``) compares their count with the replica's
+``usage.prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -42,11 +46,21 @@ from gateway.kv.chat_messages import conversation, template_arguments, tools
 from gateway.kv.chat_template import ChatTemplate
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"  # the routes tokenized
-MAX_CHARS = 32 * 1024  # bounds the work per request: tokenizing holds the event loop (about 10 ms here)
+MAX_CHARS = 32 * 1024  # bounds the work per request: tokenizing holds the GIL (about 10 ms here)
+MAX_TOKENS = MAX_CHARS  # of a prompt given as token ids, only so many are keyed (a text's are fewer)
 CUT_MARGIN = 64
 NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' render_jinja_template
+
+
+def of_route(tokens: PromptTokens, path: str, body: Mapping[str, Any]) -> Tokens | None:
+    """The prompt's tokens on a route kvgate tokenizes (``COMPLETIONS``, ``CHAT_COMPLETIONS``), else None."""
+    if path == COMPLETIONS:
+        return tokens.completion(body)
+    if path == CHAT_COMPLETIONS:
+        return tokens.chat(body)
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class Whole(tuple[int, ...]):
     sent): the replica's ``usage.prompt_tokens`` for it must be their count (``kv.live_check``)."""
 
     __slots__ = ()
+
+
+Tokens = tuple[int, ...] | Unrendered
+"""A prompt's leading tokens (at most ``MAX_TOKENS``; a text's cut near ``MAX_CHARS``), or why none."""
 
 
 class PromptTokens:
@@ -110,7 +128,7 @@ class PromptTokens:
             problem = "processor-template"
         return cls(tokenizer, templates, _special_tokens(directory, config), problem)
 
-    def completion(self, body: Mapping[str, Any]) -> tuple[int, ...] | Unrendered:
+    def completion(self, body: Mapping[str, Any]) -> Tokens:
         if body.get("prompt_embeds") is not None:
             return Unrendered("prompt-embeds")
         if body.get("truncate_prompt_tokens") is not None:
@@ -118,14 +136,17 @@ class PromptTokens:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return tuple(prompt)
+        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+            leading = prompt[:MAX_TOKENS]  # keys need only the leading blocks: the rest is never walked
+            if all(type(t) is int for t in leading):
+                return tuple(leading)
+            return Unrendered("prompt")
         special = body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not isinstance(special, bool):
             return Unrendered("prompt")
         return self._encode(prompt, special=special)
 
-    def chat(self, body: Mapping[str, Any]) -> tuple[int, ...] | Unrendered:
+    def chat(self, body: Mapping[str, Any]) -> Tokens:
         try:
             text, special = self.render(body)
         except Unrenderable as exc:
@@ -156,6 +177,7 @@ class PromptTokens:
             final_text = _tag_final_message(messages, template)
         try:  # the template's own failure (raise_exception, a type error...): vLLM answers 400
             text = template.render(
+                None if final else MAX_CHARS,  # only as far as keys reach (the final message's cut needs all)
                 messages=messages,
                 tools=tool_list,
                 documents=documents,

@@ -1,7 +1,8 @@
 """Stage 1 of the request path (parse), and what goes upstream: the client's request read once, as its
 route's kind says, and the body the chosen replica gets with the gateway's own members in it.
 
-A JSON body is decoded once (``core.body``; large ones in a worker thread, one at a time); a multipart
+A JSON body is decoded once (``core.body``; a large one in the parsing process, ``parsing``, with its
+prompt's tokens when kvgate tokenizes, handed back bounded to what the request path reads); a multipart
 form (audio) is read into memory once, so a retry on another replica sends it again; a follow-up by
 response id and ``/v1/models/{model}`` carry what they name in the path.
 
@@ -30,13 +31,17 @@ from gateway.core.prefix import PREFIX_CHARS, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, replica_id, response_id, response_owner, response_parts
 from gateway.fleet.backends import BackendDialect
 from gateway.fleet.replicas import Replica
+from gateway.kv.prompt_tokens import PromptTokens, Tokens
 from gateway.request.admin import Admin, AdminOptions
+from gateway.request.parsing import BodyParser
 from gateway.request.routes import Route
 from gateway.table.callers import Caller
+from gateway.telemetry.metrics import Metrics
 
-INLINE_PARSE_BYTES = 64 * 1024
-"""Bodies larger than this are decoded in a worker thread, one at a time: orjson holds the GIL while it
-parses, so two at once could keep the event loop waiting for both; one at a time, for one at most."""
+INLINE_PARSE_BYTES = 32 * 1024
+"""Bodies larger than this are decoded in the parsing process (``parsing``): parsing, rendering and
+tokenizing hold the GIL, and a prompt of this many characters is where tokenizing it starts to cost
+milliseconds (``prompt_tokens.MAX_CHARS``); below it, the round trip costs more than the work."""
 CHUNKED_SEND_BYTES = 1024 * 1024
 """Upstream bodies larger than this go out in 64 KiB writes, with the event loop free between them."""
 _OWNED_BY_MINTING = frozenset(("request_id",))
@@ -61,6 +66,7 @@ class ParsedRequest:
     raw: bytes = b""
     form: tuple[FormField, ...] = ()  # a multipart body
     path_id: str = ""  # the response id or model named in the path
+    tokens: Tokens | None = None  # a large body's prompt tokens, computed where it was parsed
 
     @property
     def body(self) -> dict[str, Any]:
@@ -68,7 +74,14 @@ class ParsedRequest:
 
     def prompt(self, limit: int = PREFIX_CHARS) -> str:
         """The start of the prompt as prefix keys see it, rendered only as far as ``limit``."""
-        return prompt_text(self.decoded.doc, limit) if self.decoded is not None else ""
+        if self.decoded is None:
+            return ""
+        head = self.decoded.head  # a bounded body's, rendered where it was parsed
+        return (
+            head[:limit]
+            if head is not None and limit <= PREFIX_CHARS
+            else prompt_text(self.decoded.doc, limit)
+        )
 
     @property
     def stored_response(self) -> str | None:
@@ -84,11 +97,23 @@ class ParsedRequest:
 
 
 class Intake:
-    def __init__(self, admin: Admin, replicas: list[Replica], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        admin: Admin,
+        replicas: list[Replica],
+        max_body_bytes: int,
+        tokens: PromptTokens | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        """``tokens``: the tokenizer the tokenize stage uses, when it tokenizes (a large body's prompt is
+        tokenized where it is parsed)."""
         self.admin = admin
         self.replicas = {replica_id(r.url): r for r in replicas}
         self.max_body_bytes = max_body_bytes
-        self.decoding = asyncio.Semaphore(1)  # large bodies, decoded off the event loop one at a time
+        self.parser = BodyParser(tokens, metrics)
+
+    def close(self) -> None:
+        self.parser.close()
 
     async def parse(self, request: web.Request, route: Route, caller: Caller | None) -> ParsedRequest:
         parsed = await self._read(request, route, caller)
@@ -116,14 +141,13 @@ class Intake:
         except web.HTTPRequestEntityTooLarge as exc:
             raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
         owned = _OWNED_BY_MINTING if route.mints_response_id else frozenset()
+        tokens = None
         if len(raw) <= INLINE_PARSE_BYTES:
             decoded = decode(raw, model_optional=route.model_optional, owned=owned)
         else:
-            async with self.decoding:
-                decoded = await asyncio.to_thread(
-                    decode, raw, model_optional=route.model_optional, owned=owned
-                )
-        return ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded, raw)
+            parsing = self.parser.parse(raw, route.path, model_optional=route.model_optional, owned=owned)
+            decoded, tokens = await parsing  # in the parsing process: no other request waits for it
+        return ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded, raw, tokens=tokens)
 
     async def _form(
         self, request: web.Request, route: Route, caller: Caller | None, admin: AdminOptions

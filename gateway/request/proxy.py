@@ -150,7 +150,6 @@ class Proxy:
             r.url: r.url if options.expose_replica_urls else replica_id(r.url) for r in pool.replicas
         }
         """Replica URL -> what responses call it (evidence headers, upstream error messages)."""
-        self.intake = Intake(admin, pool.replicas, options.max_body_bytes)  # stages 1 and 2
         choosing = len(pool.replicas) > 1
         """More than one replica could serve a request: only then do prefix keys and tokens decide
         anything. With one, a request is keyed by its first block only (the ``x-kvgate-prefix-key``
@@ -159,6 +158,9 @@ class Proxy:
             PREFIX_CHARS if choosing else BLOCK_CHARS,
             options.tokens if choosing and scheduler.precise is not None else None,
         )
+        self.intake = Intake(
+            admin, pool.replicas, options.max_body_bytes, keying.tokens, metrics
+        )  # stages 1, 2
         self.targeting = Targeting(  # stages 3 to 5
             snapshot,
             pool,

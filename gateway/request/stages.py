@@ -8,7 +8,8 @@ in memory only (the snapshot, the replicas' listings, the tokenizer), each with 
   candidate for the share of split keys its weight says (``core/split.py``).
 - tokenize: the cache namespace, the prompt's prefix keys and (with KV events) its tokens, and whether
   they are the whole prompt's (the account stage checks their count live, ``kv.live_check``): the
-  ``Target`` the scheduler decides on.
+  ``Target`` the scheduler decides on. Both cover the prompt's leading blocks only; a large body's
+  tokens and key text were computed where it was parsed (``parsing``), off the event loop.
 
 What a stage hands the next (here, ``ParsedRequest``, ``Target``, the scheduler's ``Decision``, the
 proxy's ``Outbound``) is a slotted dataclass built once per request and never changed afterwards; not a
@@ -26,7 +27,7 @@ from gateway.core.prefix import block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered, Whole
+from gateway.kv.prompt_tokens import PromptTokens, Unrendered, Whole, of_route
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
@@ -144,11 +145,10 @@ class Targeting:
         tokenizer = self.keying.tokens
         if tokenizer is None:
             return ()
-        if parsed.route.path == COMPLETIONS:
-            tokens = tokenizer.completion(parsed.body)
-        elif parsed.route.path == CHAT_COMPLETIONS:
-            tokens = tokenizer.chat(parsed.body)
-        else:
+        tokens = parsed.tokens  # a large body's, computed where it was parsed
+        if tokens is None:
+            tokens = of_route(tokenizer, parsed.route.path, parsed.body)
+        if tokens is None:
             return ()
         if isinstance(tokens, Unrendered):
             self.metrics.child(self.metrics.prompt_unrendered, tokens.reason).inc()

@@ -78,6 +78,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.large_bodies = Counter(
+            "kvgate_large_bodies",
+            "Request bodies over 32 KiB, by where they were parsed: the parsing process, or a worker thread "
+            "(the parsing process had died; a new one starts)",
+            ["parsed_in"],
+            registry=r,
+        )
         self.kv_event_malformed = Counter(
             "kvgate_kv_events_malformed", "KV event messages or events that did not decode (skipped)",
             ["replica"], registry=r,
