@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ async def _all_ready(url: str, workers: int) -> bool:
     return False
 
 
+READY_WITHIN_S = 120  # two workers starting beside other xdist workers on two busy cores: 30 s was not enough
+
+
 def _log_in(data_dir: Path) -> Path:
     data_dir.mkdir(parents=True, exist_ok=True)
     return data_dir / "serve.log"
@@ -92,14 +96,13 @@ async def serving(settings: Settings, redis: Redis, data_dir: Path) -> AsyncIter
         server = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            if await _all_ready(url, workers):
-                break
+        deadline = time.monotonic() + READY_WITHIN_S
+        while not await _all_ready(url, workers):
             if server.returncode is not None:
                 pytest.fail(f"kvgate serve exited {server.returncode}: {log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvgate serve --workers {workers} not ready: {log.read_text()[-3000:]}")
             await asyncio.sleep(0.1)
-        else:
-            pytest.fail(f"kvgate serve --workers {workers} not ready: {log.read_text()[-3000:]}")
         yield url
     finally:
         if server.returncode is None:
