@@ -50,6 +50,7 @@ from gateway.app.keys import (
     SNAPSHOT,
     SUPERVISOR,
     TABLE,
+    TOKENIZERS,
     TRACER,
     VERDICTS,
 )  # fmt: skip
@@ -224,6 +225,10 @@ def local_health(app: web.Application) -> Health:
     counts = {"streams": len(followers), **{state: states.count(state) for state in STATES}}
     streams = followers_health(followers, app[PROXY].replica_names)  # names replicas, with their errors
     views.add("kv_events", counts, detail=streams)
+    if TOKENIZERS in app:  # per base: where its tokenizer was read, or why it has none
+        bases = app[TOKENIZERS].health()
+        found = sum(how.startswith("from ") for how in bases.values())
+        views.add("tokenizers", {"found": found, "missing": len(bases) - found}, detail=bases)
     views.add("unready", unready)
     return Health(not unready, views.public, views.detail)
 
@@ -280,9 +285,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
-        precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
-        if precise is not None:
-            app[PRECISE_INDEX] = precise
+        precise, tokens = precise_parts(settings)  # KV events' index, each base's tokenizers (when on)
+        if precise is not None and tokens is not None:
+            app[PRECISE_INDEX], app[TOKENIZERS] = precise, tokens
         scheduler = Scheduler(settings.prefix_index_entries, precise=precise)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(

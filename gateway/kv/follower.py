@@ -45,8 +45,8 @@ from gateway.fleet.invalidation import PurgeAll
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.kv.events import Batch, decode_message, sequence
 from gateway.kv.index import PreciseIndex
-from gateway.kv.prompt_tokens import PromptTokens
 from gateway.kv.sources import SOURCES_PATH, Endpoints, Sources, parse_endpoint_setting, parse_sources
+from gateway.kv.tokenizers import Tokenizers
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
@@ -94,6 +94,7 @@ class KvFollower:
         *,
         endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         self.replica = replica
         self.index = index
@@ -102,6 +103,7 @@ class KvFollower:
         self.context = context
         self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
+        self.tokenizers = tokenizers  # its base's tokenizer: without one, its blocks cannot be matched
         self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
         self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
         self.incarnation = replica.incarnation
@@ -125,17 +127,29 @@ class KvFollower:
         lost = any(s.state == "lost" for s in self.streams.values())
         return ("lost" if lost else "unavailable"), why
 
+    def trust(self) -> tuple[str, str]:
+        """How far routing can trust this replica (``ROUTING``: exact, degraded, predicted) and why not
+        exact: its events' state, and, events or not, whether kvgate has its base's tokenizer (without
+        one, no request for that base is keyed by its tokens, so the predicted index routes it)."""
+        state, reason = self.state()
+        missing = self.tokenizers.problem(self.replica.listing.base_name) if self.tokenizers else None
+        if missing is not None:
+            return "predicted", missing
+        return ROUTING[state], reason
+
     def health(self) -> dict[str, object]:
         """For ``/healthz``: the state of the replica's events and why, the routing trust it gives
         (``ROUTING``), each rank's state, how long since the last batch, the blocks its view holds, and
         the last failure. Informational: a replica without a view is routed by the predicted index,
         never by a stale view (a lost stream's view is emptied)."""
         state, reason = self.state()
+        routing, why = self.trust()
         since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
         return {
             "state": state,
-            "routing": ROUTING[state],
+            "routing": routing,
             **({"reason": reason} if reason else {}),
+            **({"routing_reason": why} if why and why != reason else {}),
             "ranks": {str(s.rank): s.state for s in self.streams.values()},
             "last_batch_s_ago": since,
             "blocks": self.index.blocks(self.replica.url),
@@ -325,24 +339,20 @@ class PreciseSettings(Protocol):
     def precise_index_entries(self) -> int: ...
     @property
     def tokenizer(self) -> Path | None: ...
+    @property
+    def base_model(self) -> str: ...
+    @property
+    def base_model_dir_map(self) -> dict[str, Path]: ...
 
 
-def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, PromptTokens | None]:
-    """The precise index (``kv_events`` on) and the base model's tokenizer (``tokenizer`` set); a
-    tokenizer that cannot be read stops kvgate's start (config fails closed); one whose chat prompts
-    cannot be rendered exactly (a template that does not compile, a processor's) is said at start."""
-    index = PreciseIndex(settings.precise_index_entries) if settings.kv_events else None
-    if settings.tokenizer is None:
-        return index, None
-    tokens = PromptTokens.from_path(settings.tokenizer)
-    if tokens.chat_problem is not None:
-        log.warning(
-            "chat prompts are routed on the predicted index: kvgate cannot render %s's chat template as "
-            "vLLM does (%s); completions are keyed by their tokens",
-            settings.tokenizer,
-            tokens.chat_problem,
-        )
-    return index, tokens
+def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, Tokenizers | None]:
+    """The precise index and each base's tokenizers (``kv.tokenizers``), both only with ``kv_events``
+    on (the default). An explicit ``tokenizer`` that cannot be read stops kvgate's start (config fails
+    closed); the others are found while it runs, or their bases are routed on the predicted index."""
+    if not settings.kv_events:
+        return None, None
+    index = PreciseIndex(settings.precise_index_entries)
+    return index, Tokenizers.at_start(settings.base_model, settings.tokenizer, settings.base_model_dir_map)
 
 
 def in_state(follower: KvFollower, state: str) -> float:
@@ -358,6 +368,7 @@ async def follow_events(
     metrics: Metrics,
     purger: PurgeAll | None,
     supervisor: Supervisor,
+    tokenizers: Tokenizers | None = None,
 ) -> AsyncIterator[dict[str, KvFollower]]:
     """One follower per replica, each a supervised background task (``kv-events:<replica id>``: task
     names are on anonymous /healthz, a URL never is; not required: a replica's events failing never
@@ -371,7 +382,15 @@ async def follow_events(
         configured.setdefault(url, []).append(endpoints)
     context = zmq.asyncio.Context()
     followers = {
-        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url, ()))
+        r.url: KvFollower(
+            r,
+            index,
+            pool.session,
+            metrics,
+            context,
+            endpoints=configured.get(r.url, ()),
+            tokenizers=tokenizers,
+        )
         for r in pool.replicas
     }
     for url, follower in followers.items():

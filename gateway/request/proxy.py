@@ -52,7 +52,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
-from gateway.kv.prompt_tokens import PromptTokens
+from gateway.kv.tokenizers import Tokenizers
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth
@@ -76,7 +76,7 @@ class ProxyOptions:
     max_body_bytes: int
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
-    tokens: PromptTokens | None = None  # the base model's tokenizer: precise prefix keys (KV events)
+    tokens: Tokenizers | None = None  # each base's tokenizer: precise prefix keys (KV events)
     connect_timeout: float = 5.0  # the forward's client (``upstream``): TCP connect
     read_timeout: float = 600.0  # and between received bytes
 

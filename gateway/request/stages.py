@@ -25,7 +25,8 @@ from gateway.core.prefix import BLOCK_CHARS, block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, PromptTokens, Unrendered
+from gateway.kv.prompt_tokens import CHAT_COMPLETIONS, COMPLETIONS, Unrendered
+from gateway.kv.tokenizers import Tokenizers
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
@@ -55,10 +56,11 @@ class Chosen:
 @dataclass(frozen=True, slots=True)
 class Keying:
     """How prompts are keyed (tokenize): as far as ``prefix_chars``; ``tokens`` when kvgate tokenizes
-    (its tokenizer, KV events followed, more than one replica to choose from), else None."""
+    (KV events followed, more than one replica to choose from: each base's tokenizer, where found), else
+    None."""
 
     prefix_chars: int
-    tokens: PromptTokens | None
+    tokens: Tokenizers | None
 
 
 class Targeting:
@@ -118,7 +120,9 @@ class Targeting:
         the tenant's for a base request), its prefix keys and, with KV events, its tokens."""
         version = chosen.version
         if version is None:
-            return Target(named.model, named.base, None, named.salt, [], tokens=self.tokens(parsed))
+            return Target(
+                named.model, named.base, None, named.salt, [], tokens=self.tokens(parsed, named.base)
+            )
         expected = self.pool.expected_print(version)  # a replica of another base never serves it
         if parsed.admin.cold:
             salt = cold_salt()
@@ -127,16 +131,16 @@ class Targeting:
             )
         salt = cache_salt(self.snapshot.generation, version)
         keys = block_keys(salt, parsed.prompt(self.keying.prefix_chars))
-        tokens = self.tokens(parsed)
+        tokens = self.tokens(parsed, version.base)
         return Target(
             named.model, version.base, version, salt, keys, expected, tokens, chosen.role, chosen.rollout
         )
 
-    def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
-        """The prompt's tokens as the replica will see them, when kvgate tokenizes (``Keying``); ()
-        otherwise, or when the request is not one it can reproduce exactly (``Unrendered``: counted by its
-        reason, and the request is routed on the predicted index)."""
-        tokenizer = self.keying.tokens
+    def tokens(self, parsed: ParsedRequest, base: str) -> tuple[int, ...]:
+        """The prompt's tokens as a replica of ``base`` will see them, when kvgate tokenizes (``Keying``)
+        and has that base's tokenizer; () otherwise, or when the request is not one it can reproduce
+        exactly (``Unrendered``: counted by its reason, and the request is routed on the predicted index)."""
+        tokenizer = self.keying.tokens.for_base(base) if self.keying.tokens is not None else None
         if tokenizer is None:
             return ()
         if parsed.route.path == COMPLETIONS:

@@ -172,10 +172,13 @@ class Settings(BaseSettings):
     """Seconds a load lock lives in Redis; must exceed load_timeout, or a second kvgate could load too."""
     prefix_index_entries: int = Field(100_000, ge=0)
     """Prefix block keys remembered (LRU) for routing warm requests to the replica that holds them."""
-    kv_events: bool = False
-    """Follow each replica's KV cache events (vLLM ``--kv-events-config``; every data-parallel rank's
-    publisher, from its /kv_event_sources) and route on the blocks replicas report holding; needs
-    ``tokenizer``."""
+    kv_events: bool = True
+    """Follow the KV cache events of every replica that publishes them (vLLM ``--kv-events-config``:
+    every data-parallel rank's publisher, from its /kv_event_sources) and route each request to the
+    replica whose reported blocks hold the longest prefix of its tokens (precise routing), for every base
+    whose tokenizer kvgate has (``tokenizer``). A replica that publishes none, or whose base has no
+    tokenizer, is routed on the predicted index, and /healthz and ``kvgate_routing_trust`` say so.
+    false: never follow, every replica on the predicted index."""
     kv_event_endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """``REPLICA_URL=tcp://HOST:PORT[|REPLAY_ENDPOINT]``: a replica's KV event publisher (and replay
     socket), instead of what it reports at /kv_event_sources; a replica named again is its next
@@ -184,8 +187,10 @@ class Settings(BaseSettings):
     """Token blocks the precise prefix index (KV events) holds over all replicas; past it, the largest
     replica view loses its oldest blocks."""
     tokenizer: Path | None = None
-    """The base model's ``tokenizer.json`` or model directory (with its chat template): prompts are
-    tokenized in kvgate, keyed like the blocks replicas report (``kv_events``)."""
+    """``base_model``'s ``tokenizer.json`` or model directory (with its chat template), read at start:
+    one that cannot be read stops kvgate. Unset, kvgate finds each base's tokenizer itself: in its
+    ``base_model_dirs`` directory, else in the root its replicas list (vLLM's ``--model`` path) when that
+    is a directory here; a base whose tokenizer it cannot read is routed on the predicted index."""
     canary_interval: float = Field(0.0, ge=0)
     """Seconds between coherence canary rounds over active logical IDs; 0 turns the canary off."""
     rollout_gate_interval: float = Field(10.0, ge=0)
@@ -253,13 +258,6 @@ class Settings(BaseSettings):
             if not key or not ok:
                 raise ValueError(f"{info.field_name} entries are {form}, not {entry!r}")
         return value
-
-    @model_validator(mode="after")
-    def _precise_needs_tokens(self) -> Self:
-        """``kv_events`` needs ``tokenizer``: blocks are matched by the tokens of the prompt."""
-        if self.kv_events and self.tokenizer is None:
-            raise ValueError("kv_events needs tokenizer (the base model's tokenizer.json or model directory)")
-        return self
 
     @property
     def agent_map(self) -> dict[str, tuple[str, str]]:
