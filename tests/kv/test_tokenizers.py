@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from gateway.app.wiring import build_app
+from gateway.core.wire import replica_id
 from gateway.fleet.backends.answers import AdapterListing
 from gateway.fleet.replicas import Replica
 from gateway.kv.follower import KvFollower
@@ -187,3 +188,35 @@ async def test_default_settings_find_the_listed_roots_tokenizer_and_healthz_show
             assert {s["routing"] for s in streams.values()} == {"predicted"}  # no events anywhere
             reasons = {s.get("routing_reason", s.get("reason")) for s in streams.values()}
             assert any(str(r).startswith("no tokenizer for base other") for r in reasons), reasons
+
+
+def said(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(r.name == "gateway.kv.trust" for r in caplog.records)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_a_kvgate_sharing_redis_says_once_at_start_which_replicas_are_routed_on_a_prediction(
+    redis: Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture, shared: bool
+) -> None:
+    """A kvgate beside others on one Redis (``redis_url``) routing a replica that publishes no KV events
+    says so in one WARNING, with the replica and why; alone (one process, its own Redis) it says nothing:
+    its predicted index is the only one."""
+    model = trained(tmp_path / "model", TEXT, 300)
+    state = StubState()
+    state.base_root = str(model)
+    async with running(build_stub(state)) as stub:
+        settings = Settings(
+            replicas=[stub], store=tmp_path / "store", data_dir=tmp_path, poll_interval=0.1,
+            reconcile_interval=0.1, redis_url="redis://127.0.0.1:1" if shared else None,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="gateway.kv.trust"):
+            async with running(build_app(settings, redis)):
+                if shared:  # alone, nothing is announced at all (no task waits to say it)
+                    await eventually(lambda: said(caplog), "the start line")
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.kv.trust"]
+    if not shared:
+        assert lines == []
+        return
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("1 of 1 replicas routed on the predicted index, which the kvgates sharing its")
+    assert f"{replica_id(stub)}: MalformedAnswer: " in lines[0], lines[0]  # the stub has no event sources
