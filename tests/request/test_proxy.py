@@ -321,7 +321,10 @@ async def test_a_replica_dead_before_the_first_byte_is_retried_elsewhere(
     async with running(build_stub(survivor)) as survivor_url:
         doomed_app = running(build_stub(doomed))
         doomed_url = await doomed_app.__aenter__()
-        async with gateway([doomed_url, survivor_url], poll_interval=60, **STUB_DIES) as url, client(url) as api:
+        async with (
+            gateway([doomed_url, survivor_url], poll_interval=60, **STUB_DIES) as url,
+            client(url) as api,
+        ):
             await doomed_app.__aexit__(None, None, None)  # gone; the pool still thinks it is healthy
             served = [
                 await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
@@ -337,7 +340,10 @@ async def test_a_replica_dead_at_load_time_is_skipped(gateway: Gateway, publish:
     async with running(build_stub(survivor)) as survivor_url:
         doomed_app = running(build_stub(doomed))
         doomed_url = await doomed_app.__aenter__()
-        async with gateway([doomed_url, survivor_url], poll_interval=60, **STUB_DIES) as url, client(url) as api:
+        async with (
+            gateway([doomed_url, survivor_url], poll_interval=60, **STUB_DIES) as url,
+            client(url) as api,
+        ):
             await doomed_app.__aexit__(None, None, None)  # the first pick for the load, now gone
             raw = await api.completions.with_raw_response.create(model="tenant-42", prompt="p", max_tokens=1)
     assert raw.headers["x-kvgate-replica"] == replica_id(survivor_url)
