@@ -39,6 +39,7 @@ from gateway.app.keys import (
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
 from gateway.kv import trust
 from gateway.kv.follower import KvFollower, follow_events
+from gateway.process.parent import embedded_redis_url
 from gateway.proof.canary import Canary
 from gateway.proof.gate import Gate, GateRules
 from gateway.table.callers import CallerSync, CallerTable
@@ -150,7 +151,8 @@ async def kv_followers(app: web.Application) -> AsyncIterator[None]:
         app[KV_FOLLOWERS] = following
         trust.track(app[METRICS], following)
         siblings = app.get(SIBLINGS)
-        processes = _processes(settings.redis_url is not None, siblings.count if siblings else 1)
+        shared = settings.redis_url not in (None, embedded_redis_url(settings))  # not its own embedded one
+        processes = _processes(shared, siblings.count if siblings else 1)
         if processes and (siblings is None or siblings.slot == 0):  # one line per kvgate, not per worker
             announce = trust.announce(following, app[PROXY].replica_names, processes)
             stack.push_async_callback(_cancelled, asyncio.ensure_future(announce))
