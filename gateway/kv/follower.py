@@ -2,7 +2,9 @@
 
 One ``KvFollower`` per replica, each a supervised task (``kv-events:<replica id>``): each ``run()`` is one
 attempt, and the supervisor restarts a failed one with its backoff (``tasks.supervisor``). It finds the
-replica's publishers from ``GET /kv_event_sources``, one per data-parallel rank (``kv.sources``: both
+replica's publishers from ``GET /kv_event_sources`` (a replica that names none, or has no such route,
+publishes no events: no failure, it is asked again every ``recheck`` and when it restarts), one per
+data-parallel rank (``kv.sources``: both
 answer shapes, a malformed entry skipped and counted, only the replica's own host followed; an explicit
 endpoint in the settings overrides it and may be anywhere), subscribes to every rank's, and applies each
 rank's batches to that rank's view of the replica (``kv.index``: the replica holds what any of its ranks
@@ -95,6 +97,7 @@ class KvFollower:
         endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
         tokenizers: Tokenizers | None = None,
+        recheck: float = PERIOD_S,
     ) -> None:
         self.replica = replica
         self.index = index
@@ -104,19 +107,21 @@ class KvFollower:
         self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
         self.tokenizers = tokenizers  # its base's tokenizer: without one, its blocks cannot be matched
+        self.recheck = recheck  # seconds between asking a replica that publishes no events again
         self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
         self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
         self.incarnation = replica.incarnation
         self.lost = ""  # why the last attempt, which had followed, ended ("" once another starts)
         self.last_batch: float | None = None  # monotonic time of the last batch applied
         self.last_error = ""
+        self.absent = ""  # why the replica has no events to follow (it names no publisher), while so
 
     def state(self) -> tuple[str, str]:
         """One of ``STATES`` and why (empty when every rank is followed)."""
         if not self.streams:
             if self.lost:
                 return "lost", self.lost
-            return "unavailable", self.last_error or "not discovered yet"
+            return "unavailable", self.last_error or self.absent or "not discovered yet"
         behind = [f"rank {s.rank}: {s.reason}" for s in self.streams.values() if s.state != "following"]
         why = "; ".join([*behind, *(f"skipped a source: {reason}" for reason in self.skipped)])
         following = len(self.streams) - len(behind)
@@ -181,6 +186,10 @@ class KvFollower:
 
     async def _follow(self) -> None:
         sources = self.configured or await self._discover()
+        while sources is None:  # it publishes none: no failure, asked again now and then (or on a restart)
+            await self._wait_for_events()
+            sources = await self._discover()
+        self.absent = ""
         self.skipped, self.lost = sources.skipped, ""
         poller = zmq.asyncio.Poller()
         try:
@@ -230,11 +239,29 @@ class KvFollower:
             for stream in self.streams.values():
                 stream.expected = None
 
-    async def _discover(self) -> Sources:
-        async with self.session.get(self.replica.url + SOURCES_PATH) as response:
+    async def _wait_for_events(self) -> None:
+        """``recheck`` seconds, or until kvgate sees the replica restart (it may publish events now)."""
+        step = min(POLL_MS / 1000, self.recheck)
+        for _ in range(max(1, round(self.recheck / step))):
+            await asyncio.sleep(step)
+            if self.replica.incarnation != self.incarnation:
+                break
+        self.incarnation = self.replica.incarnation
+
+    async def _discover(self) -> Sources | None:
+        """The replica's publishers; None when it publishes none (its answer is empty, as vLLM's without
+        ``--kv-events-config``, or it has no such route): not a failure, the predicted index routes it."""
+        url = self.replica.url
+        async with self.session.get(url + SOURCES_PATH) as response:
+            if response.status == 404:
+                self.absent = f"{url} has no {SOURCES_PATH} (a server that publishes no KV events)"
+                return None
             if response.status != 200:
-                raise MalformedEvent(f"{self.replica.url}{SOURCES_PATH} answered {response.status}")
+                raise MalformedEvent(f"{url}{SOURCES_PATH} answered {response.status}")
             answer = answers.json_of(await response.read())  # MalformedAnswer: not UTF-8 JSON
+        if answer in ({}, [], {"sources": []}):
+            self.absent = f"{url} publishes no KV events (start it with --kv-events-config)"
+            return None
         sources = parse_sources(answer, self.replica.url)
         if sources.skipped:
             self.metrics.kv_event_sources_skipped.labels(self.replica.url).inc(len(sources.skipped))

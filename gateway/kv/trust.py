@@ -59,11 +59,12 @@ def predicted_line(
 
 
 def _settled(follower: KvFollower) -> bool:
-    """Its trust will not move by itself soon: exact, a failure seen, or its base without a tokenizer."""
+    """Its trust will not move by itself soon: exact, a failure seen, no events published, or its base
+    without a tokenizer."""
     trust, _ = follower.trust()
     base = follower.replica.listing.base_name
     no_tokenizer = follower.tokenizers is not None and follower.tokenizers.problem(base) is not None
-    return trust == "exact" or bool(follower.last_error or follower.lost) or no_tokenizer
+    return trust == "exact" or bool(follower.last_error or follower.lost or follower.absent) or no_tokenizer
 
 
 async def announce(followers: Mapping[str, KvFollower], names: Mapping[str, str], processes: str) -> None:
