@@ -47,7 +47,8 @@ def gateway(redis: Redis, store: AdapterStore) -> Gateway:
 STUB_DIES: dict[str, Any] = {"kv_events": False}
 """For the tests that stop a stub under a running kvgate: the connection of its KV event follower (on by
 default; it asks each replica's /kv_event_sources at start) is left by the stopping stub's server to the
-garbage collector (a ResourceWarning, an errorhere). These tests are about the proxy's retries, not KV events."""
+garbage collector (a ResourceWarning, an error here; not found why in the time I had). These tests are
+about the proxy's retries, not KV events."""
 
 
 @asynccontextmanager
