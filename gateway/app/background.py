@@ -5,6 +5,7 @@ purger (purge-all) and the KV event followers."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -19,6 +20,7 @@ from gateway.app.keys import (
     GATE,
     KV_FOLLOWERS,
     LEASES,
+    LIVE_CHECK,
     LOADER,
     METRICS,
     POOL,
@@ -28,13 +30,17 @@ from gateway.app.keys import (
     QUARANTINE,
     RESEEDER,
     SETTINGS,
+    SIBLINGS,
     SNAPSHOT,
     SUPERVISOR,
     TABLE,
+    TOKENIZERS,
     VERDICTS,
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
-from gateway.kv.follower import follow_events
+from gateway.kv import trust
+from gateway.kv.follower import KvFollower, follow_events
+from gateway.process.parent import embedded_redis_url
 from gateway.proof.canary import Canary
 from gateway.proof.gate import LEASE_INTERVALS, Gate, GateRules, tick_of
 from gateway.table.callers import CallerSync, CallerTable
@@ -134,10 +140,48 @@ async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
 
 
 async def kv_followers(app: web.Application) -> AsyncIterator[None]:
-    precise, endpoints = app.get(PRECISE_INDEX), app[SETTINGS].kv_event_endpoints
-    followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
-    async with followers as app[KV_FOLLOWERS]:
+    """Each base's tokenizer looked for (first before serving, then at every poll: a base or a root seen
+    for the first time), the KV event followers, and the start line on predicted routing."""
+    settings, pool, supervisor = app[SETTINGS], app[POOL], app[SUPERVISOR]
+    precise, tokenizers = app.get(PRECISE_INDEX), app.get(TOKENIZERS)
+    async with contextlib.AsyncExitStack() as stack:
+        if tokenizers is not None:
+            await tokenizers.learn(pool.replicas)
+            learning = functools.partial(
+                periodically, settings.poll_interval, functools.partial(tokenizers.learn, pool.replicas)
+            )
+            await stack.enter_async_context(
+                supervisor.run("tokenizers", learning, period=settings.poll_interval)
+            )
+        followers = follow_events(
+            settings.kv_event_endpoints, pool, precise, app[METRICS], app.get(PURGER), supervisor, tokenizers,
+            app.get(LIVE_CHECK),
+        )  # fmt: skip
+        following: dict[str, KvFollower] = await stack.enter_async_context(followers)
+        app[KV_FOLLOWERS] = following
+        trust.track(app[METRICS], following)
+        siblings = app.get(SIBLINGS)
+        shared = settings.redis_url not in (None, embedded_redis_url(settings))  # not its own embedded one
+        processes = _processes(shared, siblings.count if siblings else 1)
+        if processes and (siblings is None or siblings.slot == 0):  # one line per kvgate, not per worker
+            announce = trust.announce(following, app[PROXY].replica_names, processes)
+            stack.push_async_callback(_cancelled, asyncio.ensure_future(announce))
         yield
+
+
+def _processes(shared_redis: bool, workers: int) -> str:
+    """Who else routes this fleet on a prediction of their own, in words ("" when nobody does)."""
+    if workers > 1:
+        return f"this kvgate's {workers} workers" + (
+            " and the other kvgates on its Redis" if shared_redis else ""
+        )
+    return "the kvgates sharing its Redis" if shared_redis else ""
+
+
+async def _cancelled(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 TASKS = (

@@ -17,6 +17,7 @@ from gateway.fleet.replicas import ReplicaPool
 from gateway.kv.follower import KvFollower
 from gateway.kv.index import PreciseIndex
 from gateway.kv.live_check import LiveCheck
+from gateway.kv.tokenizers import Tokenizers
 from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin
@@ -53,6 +54,7 @@ ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PRECISE_INDEX = web.AppKey("precise_index", PreciseIndex)  # with kv_events on: the KV followers feed it
+TOKENIZERS = web.AppKey("tokenizers", Tokenizers)  # with kv_events on: each base's tokenizer, found by itself
 KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 LIVE_CHECK = web.AppKey("live_check", LiveCheck)  # with kv_events on: answers checked against kvgate's tokens
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker

@@ -51,6 +51,7 @@ from gateway.app.keys import (
     SNAPSHOT,
     SUPERVISOR,
     TABLE,
+    TOKENIZERS,
     TRACER,
     VERDICTS,
 )  # fmt: skip
@@ -228,6 +229,10 @@ def local_health(app: web.Application) -> Health:
     streams = followers_health(followers, app[PROXY].replica_names, live)  # names replicas, their errors
     fallbacks = sum(live is not None and live.fallback_reason(url) is not None for url in followers)
     views.add("kv_events", {**counts, "token_fallback": fallbacks}, detail=streams)
+    if TOKENIZERS in app:  # per base: where its tokenizer was read, or why it has none
+        bases = app[TOKENIZERS].health()
+        found = sum(how.startswith("from ") for how in bases.values())
+        views.add("tokenizers", {"found": found, "missing": len(bases) - found}, detail=bases)
     views.add("unready", unready)
     return Health(not unready, views.public, views.detail)
 
@@ -284,10 +289,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
-        precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
+        precise, tokens = precise_parts(settings)  # KV events' index, each base's tokenizers (when on)
         live = None
-        if precise is not None:
-            app[PRECISE_INDEX] = precise
+        if precise is not None and tokens is not None:
+            app[PRECISE_INDEX], app[TOKENIZERS] = precise, tokens
             app[LIVE_CHECK] = live = LiveCheck(
                 app[METRICS], precise.block_size,
                 window=settings.token_check_window, max_mismatch=settings.token_check_max_mismatch,

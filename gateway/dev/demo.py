@@ -21,7 +21,7 @@ from gateway.adapters.publish import publish_adapter
 from gateway.adapters.store import AdapterStore
 from gateway.app.wiring import build_app
 from gateway.core.errors import AuditError
-from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, kv_events_args, start_replicas
 from gateway.process.http_edge import free_port, running
 from gateway.proof.audit import COHERENT, DirectTarget, GatewayTarget, Verdict, audit_before_after, render
 from gateway.settings.model import Settings
@@ -48,7 +48,13 @@ async def run_demo(settings: Settings, *, vllm_python: Path, fixture_dir: Path) 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     specs = [
-        VllmReplicaSpec(vllm_python, fixture_dir / "model", free_port(), work / f"vllm-{i}.log")
+        VllmReplicaSpec(  # publishing KV events: kvgate routes on them by default
+            vllm_python,
+            fixture_dir / "model",
+            free_port(),
+            work / f"vllm-{i}.log",
+            extra_args=kv_events_args(),
+        )
         for i in (0, 1)
     ]
     print(f"starting embedded Redis and two vLLM CPU replicas (logs in {work}) ...", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -20,12 +21,26 @@ from typing import IO
 import aiohttp
 
 from gateway.core.errors import ReplicaStartError
+from gateway.process.http_edge import free_port
 
 _POLL_INTERVAL_S = 0.5
 _PROBE_TIMEOUT_S = 5.0
 _STOP_GRACE_S = 20.0
 _LOG_TAIL_BYTES = 8192
 _LOG_TAIL_LINES = 40
+
+
+def kv_events_args() -> tuple[str, ...]:
+    """vLLM's KV cache events on a port of its own (a wildcard endpoint: vLLM binds it, kvgate finds it at
+    /kv_event_sources and follows it by default), with a replay socket."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
+        "topic": "kv",
+    }
+    return ("--kv-events-config", json.dumps(config))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 One ``KvFollower`` per replica, each a supervised task (``kv-events:<replica id>``): each ``run()`` is one
 attempt, and the supervisor restarts a failed one with its backoff (``tasks.supervisor``). It finds the
-replica's publishers from ``GET /kv_event_sources``, one per data-parallel rank (``kv.sources``: both
+replica's publishers from ``GET /kv_event_sources`` (a replica that names none, or has no such route,
+publishes no events: no failure, it is asked again every ``recheck`` and when it restarts), one per
+data-parallel rank (``kv.sources``: both
 answer shapes, a malformed entry skipped and counted, only the replica's own host followed; an explicit
 endpoint in the settings overrides it and may be anywhere), subscribes to every rank's, and applies each
 rank's batches to that rank's view of the replica (``kv.index``: the replica holds what any of its ranks
@@ -46,8 +48,8 @@ from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.kv.events import Batch, decode_message, sequence
 from gateway.kv.index import PreciseIndex
 from gateway.kv.live_check import LiveCheck
-from gateway.kv.prompt_tokens import PromptTokens
 from gateway.kv.sources import SOURCES_PATH, Endpoints, Sources, parse_endpoint_setting, parse_sources
+from gateway.kv.tokenizers import Tokenizers
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
@@ -95,6 +97,9 @@ class KvFollower:
         *,
         endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
+        tokenizers: Tokenizers | None = None,
+        live: LiveCheck | None = None,
+        recheck: float = PERIOD_S,
     ) -> None:
         self.replica = replica
         self.index = index
@@ -103,19 +108,23 @@ class KvFollower:
         self.context = context
         self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
+        self.tokenizers = tokenizers  # its base's tokenizer: without one, its blocks cannot be matched
+        self.live = live  # the live check of its answers: counts that disagree stop its blocks counting
+        self.recheck = recheck  # seconds between asking a replica that publishes no events again
         self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
         self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
         self.incarnation = replica.incarnation
         self.lost = ""  # why the last attempt, which had followed, ended ("" once another starts)
         self.last_batch: float | None = None  # monotonic time of the last batch applied
         self.last_error = ""
+        self.absent = ""  # why the replica has no events to follow (it names no publisher), while so
 
     def state(self) -> tuple[str, str]:
         """One of ``STATES`` and why (empty when every rank is followed)."""
         if not self.streams:
             if self.lost:
                 return "lost", self.lost
-            return "unavailable", self.last_error or "not discovered yet"
+            return "unavailable", self.last_error or self.absent or "not discovered yet"
         behind = [f"rank {s.rank}: {s.reason}" for s in self.streams.values() if s.state != "following"]
         why = "; ".join([*behind, *(f"skipped a source: {reason}" for reason in self.skipped)])
         following = len(self.streams) - len(behind)
@@ -126,17 +135,32 @@ class KvFollower:
         lost = any(s.state == "lost" for s in self.streams.values())
         return ("lost" if lost else "unavailable"), why
 
+    def trust(self) -> tuple[str, str]:
+        """How far routing can trust this replica (``ROUTING``: exact, degraded, predicted) and why not
+        exact: its events' state, and, events or not, whether kvgate has its base's tokenizer (without
+        one, no request for that base is keyed by its tokens, so the predicted index routes it)."""
+        state, reason = self.state()
+        missing = self.tokenizers.problem(self.replica.listing.base_name) if self.tokenizers else None
+        if missing is not None:
+            return "predicted", missing
+        disagree = self.live.fallback_reason(self.replica.url) if self.live is not None else None
+        if disagree is not None:
+            return "predicted", disagree
+        return ROUTING[state], reason
+
     def health(self) -> dict[str, object]:
         """For ``/healthz``: the state of the replica's events and why, the routing trust it gives
         (``ROUTING``), each rank's state, how long since the last batch, the blocks its view holds, and
         the last failure. Informational: a replica without a view is routed by the predicted index,
         never by a stale view (a lost stream's view is emptied)."""
         state, reason = self.state()
+        routing, why = self.trust()
         since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
         return {
             "state": state,
-            "routing": ROUTING[state],
+            "routing": routing,
             **({"reason": reason} if reason else {}),
+            **({"routing_reason": why} if why and why != reason else {}),
             "ranks": {str(s.rank): s.state for s in self.streams.values()},
             "last_batch_s_ago": since,
             "blocks": self.index.blocks(self.replica.url),
@@ -168,6 +192,10 @@ class KvFollower:
 
     async def _follow(self) -> None:
         sources = self.configured or await self._discover()
+        while sources is None:  # it publishes none: no failure, asked again now and then (or on a restart)
+            await self._wait_for_events()
+            sources = await self._discover()
+        self.absent = ""
         self.skipped, self.lost = sources.skipped, ""
         poller = zmq.asyncio.Poller()
         try:
@@ -217,11 +245,29 @@ class KvFollower:
             for stream in self.streams.values():
                 stream.expected = None
 
-    async def _discover(self) -> Sources:
-        async with self.session.get(self.replica.url + SOURCES_PATH) as response:
+    async def _wait_for_events(self) -> None:
+        """``recheck`` seconds, or until kvgate sees the replica restart (it may publish events now)."""
+        step = min(POLL_MS / 1000, self.recheck)
+        for _ in range(max(1, round(self.recheck / step))):
+            await asyncio.sleep(step)
+            if self.replica.incarnation != self.incarnation:
+                break
+        self.incarnation = self.replica.incarnation
+
+    async def _discover(self) -> Sources | None:
+        """The replica's publishers; None when it publishes none (its answer is empty, as vLLM's without
+        ``--kv-events-config``, or it has no such route): not a failure, the predicted index routes it."""
+        url = self.replica.url
+        async with self.session.get(url + SOURCES_PATH) as response:
+            if response.status == 404:
+                self.absent = f"{url} has no {SOURCES_PATH} (a server that publishes no KV events)"
+                return None
             if response.status != 200:
-                raise MalformedEvent(f"{self.replica.url}{SOURCES_PATH} answered {response.status}")
+                raise MalformedEvent(f"{url}{SOURCES_PATH} answered {response.status}")
             answer = answers.json_of(await response.read())  # MalformedAnswer: not UTF-8 JSON
+        if answer in ({}, [], {"sources": []}):
+            self.absent = f"{url} publishes no KV events (start it with --kv-events-config)"
+            return None
         sources = parse_sources(answer, self.replica.url)
         if sources.skipped:
             self.metrics.kv_event_sources_skipped.labels(self.replica.url).inc(len(sources.skipped))
@@ -316,17 +362,13 @@ def followers_health(
     followers: dict[str, KvFollower], names: dict[str, str], live: LiveCheck | None = None
 ) -> dict[str, object]:
     """Each follower's ``health()`` for ``/healthz``, under the replica's public name (``names``); with
-    the live check (``live``), its window of token-count checks (``token_check``), and a replica whose
-    counts disagree is routed ``predicted`` whatever its events' state, with ``routing_reason``."""
+    the live check (``live``), its window of token-count checks (``token_check``)."""
     found: dict[str, object] = {}
     for url, follower in followers.items():
-        doc = found[names[url]] = follower.health()
+        doc = found[names[url]] = follower.health()  # its routing trust counts the live check (``trust``)
         checked = live.health(url) if live is not None else None
         if checked is not None:
             doc["token_check"] = checked
-        why = live.fallback_reason(url) if live is not None else None
-        if why is not None:
-            doc["routing"], doc["routing_reason"] = "predicted", why
     return found
 
 
@@ -339,24 +381,20 @@ class PreciseSettings(Protocol):
     def precise_index_entries(self) -> int: ...
     @property
     def tokenizer(self) -> Path | None: ...
+    @property
+    def base_model(self) -> str: ...
+    @property
+    def base_model_dir_map(self) -> dict[str, Path]: ...
 
 
-def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, PromptTokens | None]:
-    """The precise index (``kv_events`` on) and the base model's tokenizer (``tokenizer`` set); a
-    tokenizer that cannot be read stops kvgate's start (config fails closed); one whose chat prompts
-    cannot be rendered exactly (a template that does not compile, a processor's) is said at start."""
-    index = PreciseIndex(settings.precise_index_entries) if settings.kv_events else None
-    if settings.tokenizer is None:
-        return index, None
-    tokens = PromptTokens.from_path(settings.tokenizer)
-    if tokens.chat_problem is not None:
-        log.warning(
-            "chat prompts are routed on the predicted index: kvgate cannot render %s's chat template as "
-            "vLLM does (%s); completions are keyed by their tokens",
-            settings.tokenizer,
-            tokens.chat_problem,
-        )
-    return index, tokens
+def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, Tokenizers | None]:
+    """The precise index and each base's tokenizers (``kv.tokenizers``), both only with ``kv_events``
+    on (the default). An explicit ``tokenizer`` that cannot be read stops kvgate's start (config fails
+    closed); the others are found while it runs, or their bases are routed on the predicted index."""
+    if not settings.kv_events:
+        return None, None
+    index = PreciseIndex(settings.precise_index_entries)
+    return index, Tokenizers.at_start(settings.base_model, settings.tokenizer, settings.base_model_dir_map)
 
 
 def in_state(follower: KvFollower, state: str) -> float:
@@ -372,6 +410,8 @@ async def follow_events(
     metrics: Metrics,
     purger: PurgeAll | None,
     supervisor: Supervisor,
+    tokenizers: Tokenizers | None = None,
+    live: LiveCheck | None = None,
 ) -> AsyncIterator[dict[str, KvFollower]]:
     """One follower per replica, each a supervised background task (``kv-events:<replica id>``: task
     names are on anonymous /healthz, a URL never is; not required: a replica's events failing never
@@ -385,7 +425,16 @@ async def follow_events(
         configured.setdefault(url, []).append(endpoints)
     context = zmq.asyncio.Context()
     followers = {
-        r.url: KvFollower(r, index, pool.session, metrics, context, endpoints=configured.get(r.url, ()))
+        r.url: KvFollower(
+            r,
+            index,
+            pool.session,
+            metrics,
+            context,
+            endpoints=configured.get(r.url, ()),
+            tokenizers=tokenizers,
+            live=live,
+        )
         for r in pool.replicas
     }
     for url, follower in followers.items():

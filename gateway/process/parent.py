@@ -80,12 +80,17 @@ def worker_count(settings: Settings, cpu_max: Path = CPU_MAX) -> int:
     return max(1, cores)
 
 
+def embedded_redis_url(settings: Settings) -> str:
+    """The URL the workers reach their parent's embedded Redis by (its socket in the data directory)."""
+    return f"unix://{settings.data_dir / 'redis' / 'redis.sock'}"
+
+
 def for_worker(settings: Settings, slot: int) -> Settings:
     """A worker's settings: the parent's embedded Redis by its socket (the worker never owns it), and a
     gateway id of its own (leases are per gateway: siblings must not let go of each other's)."""
     update: dict[str, object] = {}
     if settings.redis_url is None:
-        update["redis_url"] = f"unix://{settings.data_dir / 'redis' / 'redis.sock'}"
+        update["redis_url"] = embedded_redis_url(settings)
     if settings.gateway_id:
         update["gateway_id"] = f"{settings.gateway_id}-w{slot}"
     return settings.model_copy(update=update)

@@ -54,7 +54,7 @@ from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.replicas import Replica, ReplicaPool
 from gateway.fleet.reservation import Reservation
 from gateway.kv.live_check import LiveCheck
-from gateway.kv.prompt_tokens import PromptTokens
+from gateway.kv.tokenizers import Tokenizers
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth
@@ -78,7 +78,7 @@ class ProxyOptions:
     max_body_bytes: int
     namespaces: bool  # set the gateway's cache namespace on requests (version-scoped invalidation)
     expose_replica_urls: bool = False  # evidence names replicas by URL, not by replica_id
-    tokens: PromptTokens | None = None  # the base model's tokenizer: precise prefix keys (KV events)
+    tokens: Tokenizers | None = None  # each base's tokenizer: precise prefix keys (KV events)
     connect_timeout: float = 5.0  # the forward's client (``upstream``): TCP connect
     read_timeout: float = 600.0  # and between received bytes
 
@@ -158,9 +158,10 @@ class Proxy:
             PREFIX_CHARS if choosing else BLOCK_CHARS,
             options.tokens if choosing and scheduler.precise is not None else None,
         )
-        self.intake = Intake(
-            admin, pool.replicas, options.max_body_bytes, keying.tokens, metrics
-        )  # stages 1, 2
+        parse_with = keying.tokens.for_base(options.base_model) if keying.tokens is not None else None
+        self.intake = Intake(  # stages 1, 2; a large body is tokenized where it is parsed, by base_model's
+            admin, pool.replicas, options.max_body_bytes, parse_with, metrics  # tokenizer if known at start
+        )  # fmt: skip
         self.targeting = Targeting(  # stages 3 to 5
             snapshot,
             pool,

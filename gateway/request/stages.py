@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.core.identity import is_logical_id
+from gateway.core.identity import base_name, is_logical_id
 from gateway.core.model import Target, VersionState
 from gateway.core.prefix import block_keys
 from gateway.core.split import choose
 from gateway.core.wire import cache_salt, cold_salt, tenant_salt
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.prompt_tokens import PromptTokens, Unrendered, Whole, of_route
+from gateway.kv.prompt_tokens import Unrendered, Whole, of_route
+from gateway.kv.tokenizers import Tokenizers
 from gateway.request.auth import not_found
 from gateway.request.intake import ParsedRequest
 from gateway.table.callers import Caller, may_use, may_use_base
@@ -57,10 +58,11 @@ class Chosen:
 @dataclass(frozen=True, slots=True)
 class Keying:
     """How prompts are keyed (tokenize): as far as ``prefix_chars``; ``tokens`` when kvgate tokenizes
-    (its tokenizer, KV events followed, more than one replica to choose from), else None."""
+    (KV events followed, more than one replica to choose from: each base's tokenizer, where found), else
+    None."""
 
     prefix_chars: int
-    tokens: PromptTokens | None
+    tokens: Tokenizers | None
 
 
 class Targeting:
@@ -120,7 +122,7 @@ class Targeting:
         the tenant's for a base request), its prefix keys and, with KV events, its tokens."""
         version = chosen.version
         if version is None:
-            tokens = self.tokens(parsed)
+            tokens = self.tokens(parsed, named.base)
             return Target(
                 named.model, named.base, None, named.salt, [], tokens=tokens, whole=isinstance(tokens, Whole)
             )
@@ -132,20 +134,21 @@ class Targeting:
             )
         salt = cache_salt(self.snapshot.generation, version)
         keys = block_keys(salt, parsed.prompt(self.keying.prefix_chars))
-        tokens = self.tokens(parsed)
+        tokens = self.tokens(parsed, version.base)
         return Target(
             named.model, version.base, version, salt, keys, expected, tokens, chosen.role, chosen.rollout,
             whole=isinstance(tokens, Whole),
         )  # fmt: skip
 
-    def tokens(self, parsed: ParsedRequest) -> tuple[int, ...]:
-        """The prompt's tokens as the replica will see them, when kvgate tokenizes (``Keying``); ()
-        otherwise, or when the request is not one it can reproduce exactly (``Unrendered``: counted by its
-        reason, and the request is routed on the predicted index)."""
-        tokenizer = self.keying.tokens
+    def tokens(self, parsed: ParsedRequest, base: str) -> tuple[int, ...]:
+        """The prompt's tokens as a replica of ``base`` will see them, when kvgate tokenizes (``Keying``)
+        and has that base's tokenizer; () otherwise, or when the request is not one it can reproduce
+        exactly (``Unrendered``: counted by its reason, and the request is routed on the predicted index)."""
+        tokenizer = self.keying.tokens.for_base(base) if self.keying.tokens is not None else None
         if tokenizer is None:
             return ()
-        tokens = parsed.tokens  # a large body's, computed where it was parsed
+        # a large body's, computed where it was parsed, by base_model's tokenizer (``Proxy``)
+        tokens = parsed.tokens if base_name(base) == base_name(self.base_model) else None
         if tokens is None:
             tokens = of_route(tokenizer, parsed.route.path, parsed.body)
         if tokens is None:

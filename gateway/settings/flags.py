@@ -123,11 +123,30 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def description(name: str) -> str:
+DEFAULT_REASON = "\n\nDefault: "
+"""Where a setting's docstring says why its default is what it is (its last paragraph)."""
+
+
+def _docstring(name: str) -> tuple[str, str]:
     text = Settings.model_fields[name].description
     if not text:
         raise TypeError(f"setting {name} has no docstring: it is its --help and its reference entry")
-    return " ".join(text.replace("``", "`").split())
+    what, found, why = text.partition(DEFAULT_REASON)
+    if not found:
+        raise TypeError(
+            f"setting {name}'s docstring does not end with why its default is chosen ('Default: ...')"
+        )
+    return " ".join(what.replace("``", "`").split()), " ".join(why.replace("``", "`").split())
+
+
+def description(name: str) -> str:
+    """What the setting does (its docstring, without why the default)."""
+    return _docstring(name)[0]
+
+
+def default_reason(name: str) -> str:
+    """Why the setting's default is what it is (its docstring's last paragraph, ``Default: ...``)."""
+    return _docstring(name)[1]
 
 
 def default(name: str) -> str:

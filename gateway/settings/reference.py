@@ -1,6 +1,6 @@
 """``docs/configuration.md``, generated from ``Settings`` (gateway/settings/model.py): every setting with its
-flag, environment variable, TOML key, type and bounds, default, the commands that take it and its
-description, then the rules between settings (the model's validators, by their docstrings).
+flag, environment variable, TOML key, type and bounds, default and why it is chosen, the commands that
+take it and its description, then the rules between settings (the model's validators, by their docstrings).
 
     python -m gateway.settings.reference --write docs/configuration.md   # --check: exit 1 if it drifted
 """
@@ -23,6 +23,7 @@ from gateway.settings.flags import (
     COMMANDS,
     NOT_SETTINGS,
     default,
+    default_reason,
     description,
     env_var,
     flag,
@@ -118,7 +119,8 @@ def section(name: str) -> str:
         ("commands", _commands(name)),
     ]
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
-    return f"### `{name}`\n\n{description(name)}\n\n| | |\n| --- | --- |\n{table}\n"
+    why = f"**Why this default:** {default_reason(name)}"
+    return f"### `{name}`\n\n{description(name)}\n\n{why}\n\n| | |\n| --- | --- |\n{table}\n"
 
 
 def rules() -> str:

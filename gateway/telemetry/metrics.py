@@ -116,6 +116,12 @@ class Metrics:
             "1 for the state of a replica's KV events (following, partial, lost, unavailable), else 0",
             ["replica", "state"], registry=r,
         )  # fmt: skip
+        self.routing_trust = Gauge(
+            "kvgate_routing_trust",
+            "1 for how far routing trusts what kvgate knows of a replica's cache (exact: every rank's KV "
+            "events and its base's tokenizer; degraded: some ranks; predicted: the predicted index), else 0",
+            ["replica", "trust"], registry=r,
+        )  # fmt: skip
         self.kv_event_sources_skipped = Counter(
             "kvgate_kv_event_sources_skipped",
             "Entries of a replica's /kv_event_sources answer left out (malformed, or not followable)",

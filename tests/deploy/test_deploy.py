@@ -47,6 +47,7 @@ CHECKS: dict[str, Callable[[list[Obj]], list[str]]] = {
     "store": deploy_wiring.store_problems,
     "claims": deploy_wiring.claim_problems,
     "vllm": deploy_wiring.vllm_problems,
+    "precise": deploy_wiring.precise_problems,
     "probes": deploy_wiring.probe_problems,
 }
 
@@ -207,6 +208,29 @@ def probe_port_undeclared(o: list[Obj]) -> None:
 @breaks("selectors")
 def servicemonitor_port_unknown(o: list[Obj]) -> None:
     _named(o, "ServiceMonitor", "kvgate")["spec"]["endpoints"][0]["port"] = "metrics"
+
+
+@breaks("precise")
+def vllm_publishes_no_kv_events(o: list[Obj]) -> None:
+    args = _container(o, "vllm", "vllm")["args"]
+    args[:] = [a for a in args if not a.startswith("--kv-events-config")]
+
+
+@breaks("precise")
+def kvgate_cannot_read_the_tokenizer(o: list[Obj]) -> None:
+    mounts = _container(o, "kvgate", "kvgate")["volumeMounts"]
+    mounts[:] = [m for m in mounts if m["mountPath"] != "/models"]
+
+
+@breaks("precise")
+def networkpolicy_keeps_kvgate_from_the_events(o: list[Obj]) -> None:
+    rule = _named(o, "NetworkPolicy", "vllm-only-from-kvgate")["spec"]["ingress"][0]
+    rule["ports"] = [p for p in rule["ports"] if p["port"] != "kv-events"]
+
+
+@breaks("precise")
+def kv_events_turned_off(o: list[Obj]) -> None:
+    _config(o)["KVGATE_KV_EVENTS"] = "false"
 
 
 @breaks("selectors")

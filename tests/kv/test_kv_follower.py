@@ -297,22 +297,34 @@ def follower_errors(metrics: Metrics, url: str) -> float:
 
 
 async def test_a_replica_without_event_sources_is_retried_until_it_has_them() -> None:
-    """Discovery failures (a 404, then an answer with events off) are counted; the supervisor starts the
-    next attempt, which follows the publisher once /kv_event_sources names it."""
+    """A replica that publishes no events (no route: 404; no sources: ``{}``) is no failure: it is
+    ``unavailable`` with the reason and asked again after ``recheck``; an answer with events off is a
+    failure, counted, and the supervisor starts the next attempt, which follows the publisher once
+    /kv_event_sources names it."""
     index, metrics = PreciseIndex(100), Metrics()
     async with publisher() as (context, pub):
         sources = Sources(
             port_of(pub),
-            [web.Response(status=404), web.json_response({"0": {"enable_kv_cache_events": False}})],
+            [
+                web.Response(status=404),
+                web.json_response({}),
+                web.json_response({"0": {"enable_kv_cache_events": False}}),
+            ],
         )
         async with running(sources.app()) as url, aiohttp.ClientSession() as session:
-            follower = KvFollower(Replica(url), index, session, metrics, context)
+            follower = KvFollower(Replica(url), index, session, metrics, context, recheck=1.0)
             async with Supervisor().run("kv-events:r0", follower.run, period=PERIOD_S, required=False):
+                await eventually(lambda: bool(follower.absent), "no events, said")
+                state, why = follower.state()  # the 404's reason, or (a second later) the empty answer's
+                assert state == "unavailable"
+                assert why.endswith(
+                    ("(a server that publishes no KV events)", "(start it with --kv-events-config)")
+                )
                 await eventually(lambda: bool(follower.health().get("last_error")), "a failure on /healthz")
                 assert follower.health()["state"] == "unavailable"
                 assert await pub.poll(20_000), "the follower subscribed in the end"
                 assert await pub.recv() == b"\x01kv"
-                assert follower_errors(metrics, url) == 2
+                assert follower_errors(metrics, url) == 1, "the answer with events off, only"
                 assert follower.health()["last_batch_s_ago"] is None  # nothing received yet
                 await pub.send_multipart(captured("map_frames.json")[0])
                 await eventually(lambda: index.blocks(url) == 3, "the base blocks are learned")

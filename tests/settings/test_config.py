@@ -104,7 +104,7 @@ FLAG_VALUES: dict[str, tuple[str, object]] = {
     "load_timeout": ("30", 30.0),
     "lock_ttl": ("45", 45.0),
     "prefix_index_entries": ("10", 10),
-    "kv_events": ("", True),
+    "kv_events": ("", False),  # on by default: --no-kv-events
     "kv_event_endpoints": ("http://r0:8000=tcp://h:5557", ["http://r0:8000=tcp://h:5557"]),
     "precise_index_entries": ("10", 10),
     "tokenizer": ("/models/llama/tokenizer.json", Path("/models/llama/tokenizer.json")),
@@ -160,10 +160,12 @@ def test_api_keys_must_outlive_a_reconcile_and_the_admin_listener_is_a_second_on
     assert Settings(port=0, admin_port=0).admin_port == 0  # two free ports
 
 
-def test_kv_events_need_the_tokenizer_and_endpoints_are_url_equals_endpoint() -> None:
-    with pytest.raises(ValidationError, match="kv_events needs tokenizer"):
-        Settings(kv_events=True)
+def test_kv_events_are_on_by_default_with_no_tokenizer_and_endpoints_are_url_equals_endpoint() -> None:
+    """Precise routing needs no flag: events followed where published, each base's tokenizer found."""
+    assert Settings().kv_events
+    assert Settings().tokenizer is None
     assert Settings(kv_events=True, tokenizer=Path("/m")).kv_events
+    assert not Settings(kv_events=False).kv_events
     with pytest.raises(ValidationError, match="REPLICA_URL=tcp://HOST:PORT"):
         Settings(kv_event_endpoints=["http://r0:8000"])
 
@@ -172,7 +174,8 @@ def test_every_setting_is_a_serve_flag_that_sets_it() -> None:
     assert set(FLAG_VALUES) == set(Settings.model_fields)
     argv = ["serve", "--replica", "http://r0:8000"]
     for name, (typed, _) in FLAG_VALUES.items():
-        argv += [flag(name), typed] if typed else [flag(name)]
+        off = flag(name).replace("--", "--no-", 1)  # a boolean that is on by default is turned off
+        argv += [flag(name), typed] if typed else [flag(name) if FLAG_VALUES[name][1] else off]
     settings = settings_from(build_parser().parse_args(argv))
     for name, (_, expected) in FLAG_VALUES.items():
         got = getattr(settings, name)

@@ -7,6 +7,7 @@ entries are not read: their value is the operator's).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -289,4 +290,62 @@ def probe_problems(objs: list[Obj]) -> list[str]:
                         ):
                             problems.append(f"ServiceMonitor scrapes port {port['targetPort']} of {where}, "
                                             f"/metrics is on {metrics_port}")  # fmt: skip
+    return problems
+
+
+def _mounts(spec: Obj, container: Obj) -> dict[str, str | None]:
+    """A container's mount paths → the claim each is from (None: not a claim)."""
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", [])
+              if "persistentVolumeClaim" in v}  # fmt: skip
+    return {m["mountPath"]: claims.get(m["name"]) for m in container.get("volumeMounts", [])}
+
+
+def _claim_of(mounts: dict[str, str | None], path: str) -> str | None:
+    """The claim ``path`` is read from, by the longest mount path holding it."""
+    holding = [m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+    return mounts[max(holding, key=len)] if holding else None
+
+
+def precise_problems(objs: list[Obj]) -> list[str]:
+    """Precise routing on in every shape, with no kvgate setting: every vLLM publishes its KV events on a
+    declared port kvgate may reach (the NetworkPolicy admits it), no kvgate turns KV events off, and
+    every kvgate reads the base's tokenizer at the root vLLM lists (its ``--model`` path, mounted from the
+    same claim at the same path), unless it names the tokenizer or the base's directory itself."""
+    problems: list[str] = []
+    models: set[tuple[str, str | None]] = set()  # (vLLM's --model path, the claim it is read from)
+    event_ports: set[str] = set()
+    for name, _, spec in pods(objs):
+        for container in spec["containers"]:
+            if container["name"] != "vllm":
+                continue
+            args = [*container.get("command", []), *container.get("args", [])]
+            model = next((a for a in args[2:] if not a.startswith("-")), "")
+            models.add((model, _claim_of(_mounts(spec, container), model)))
+            configs = [a.partition("=")[2] for a in args if a.startswith("--kv-events-config=")]
+            config = json.loads(configs[0]) if configs else {}
+            port = str(config.get("endpoint", "")).rpartition(":")[2]
+            named_ports = {str(p["containerPort"]): p.get("name") for p in container.get("ports", [])}
+            if config.get("enable_kv_cache_events") is not True or config.get("publisher") != "zmq":
+                problems.append(f"{name}/vllm: publishes no KV events (--kv-events-config)")
+            elif not str(config["endpoint"]).startswith("tcp://*:") or port not in named_ports:
+                problems.append(f"{name}/vllm: its KV event endpoint is no declared tcp://*:PORT")
+            else:
+                event_ports.add(str(named_ports[port]))
+    for policy in named(objs, "NetworkPolicy").values():
+        if policy["spec"]["podSelector"].get("matchLabels") != {"kvgate.dev/vllm": "true"}:
+            continue
+        admitted = {str(p.get("port")) for rule in policy["spec"].get("ingress", []) if rule.get("from")
+                    for p in rule.get("ports", [])}  # fmt: skip
+        if missing := sorted(event_ports - admitted):
+            problems.append(f"NetworkPolicy {policy['metadata']['name']} keeps kvgate from {missing}")
+    for name, spec, container, env in kvgates(objs):
+        where = f"{name}/{container['name']}"
+        if str(env.get("KVGATE_KV_EVENTS", "true")).lower() in ("false", "0", "no", "off"):
+            problems.append(f"{where}: KVGATE_KV_EVENTS turns precise routing off")
+        if "KVGATE_TOKENIZER" in env or "KVGATE_BASE_MODEL_DIRS" in env:
+            continue
+        mounts = _mounts(spec, container)
+        for model, claim in models:
+            if claim is None or _claim_of(mounts, model) != claim:
+                problems.append(f"{where}: cannot read the base's tokenizer at {model} (vLLM's --model)")
     return problems

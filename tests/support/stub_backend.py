@@ -325,11 +325,14 @@ async def _audio(request: web.Request) -> web.StreamResponse:
 
 
 async def _replica_only(request: web.Request) -> web.Response:
-    """A route a replica serves that kvgate must never expose (health, metrics, admin). ``/metrics`` is
-    not recorded in ``routed``: kvgate reads it itself (the process start time, as vLLM's says it)."""
+    """A route a replica serves that kvgate must never expose (health, metrics, admin). ``/metrics`` and
+    ``/kv_event_sources`` are not recorded in ``routed``: kvgate reads them itself (the process start
+    time, as vLLM's says it; no KV event sources, as vLLM started without ``--kv-events-config`` says)."""
     state = request.app[STUB]
     if request.path == "/metrics":
         return web.Response(text=f"# replica internals\nprocess_start_time_seconds {state.started}\n")
+    if request.path == "/kv_event_sources":
+        return web.json_response({})
     state.routed.append((request.path, {}))
     return web.Response(text="replica internals")
 

@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from gateway.app.keys import ADMIN_LISTENER
 from gateway.app.wiring import build_app
 from gateway.core.wire import ADMIN_TOKEN_HEADER
-from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, kv_events_args, start_replicas
 from gateway.process.http_edge import free_port, running
 from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
@@ -49,19 +49,6 @@ def _required_path(variable: str) -> Path:
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
     return _required_path("KVGATE_FIXTURE_DIR")
-
-
-def kv_events_args() -> tuple[str, ...]:
-    """vLLM's KV cache events on a port of its own (a wildcard endpoint: vLLM binds it, kvgate finds it at
-    /kv_event_sources), with a replay socket; tests/vllm/test_precise_vllm.py follows them."""
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
-        "replay_endpoint": f"tcp://*:{free_port()}",
-        "topic": "kv",
-    }
-    return ("--kv-events-config", json.dumps(config))
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

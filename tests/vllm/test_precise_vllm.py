@@ -27,14 +27,14 @@ from gateway.core.wire import (
     REPLICA_HEADER,
     VERSION_HEADER,
 )
-from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, kv_events_args
 from gateway.kv.prompt_tokens import PromptTokens
 from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete, long_prompt
 from gateway.table.redis_server import EmbeddedRedis
 from gateway.telemetry.metrics import Metrics
 from tests.support.conditions import eventually
-from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kv_events_args, kvgate_json
+from tests.vllm.conftest import ADMIN_TOKEN, Gateway, GatewayFactory, kvgate_json
 from tests.vllm.test_fleet_vllm import kvgate_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
@@ -46,7 +46,9 @@ def pin(replica: VllmProcess) -> dict[str, str]:
 
 
 def precise(fixture_dir: Path) -> dict[str, Any]:
-    return {"kv_events": True, "tokenizer": fixture_dir / "model", "expose_replica_urls": True}
+    """Precise routing needs no setting (KV events followed by default, the tokenizer found in the root
+    the replicas list, ``fixture_dir / "model"``); replicas named by URL in the evidence."""
+    return {"expose_replica_urls": True}
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -208,15 +210,14 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
     fixture_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Issue 28's first done-when line: with default settings (no routing setting, and B with its default
+    workers, one per core), B sends each prompt warmed through A to the replica that holds it, with a
+    cache hit: KV events are followed where published and the base's tokenizer is found by itself."""
     store, redis_url = tmp_path / "store", redis_server.url
     await kvgate_json(
         "publish", "precise-b", str(fixture_dir / "adapters" / "v1"), redis_url=redis_url, store=store
     )
-    # B in one worker: each worker follows the events itself, and /metrics merges them (the largest view),
-    # so with two a request through B could reach the worker whose view is not the one waited for
-    for name, value in {"KVGATE_KV_EVENTS": "true", "KVGATE_TOKENIZER": str(fixture_dir / "model"),
-                        "KVGATE_EXPOSE_REPLICA_URLS": "true", "KVGATE_WORKERS": "1"}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)  # B, a child process, reads them
+    monkeypatch.setenv("KVGATE_EXPOSE_REPLICA_URLS", "true")  # B, a child process, reads it
     async with (
         make_gateway(**precise(fixture_dir)) as a,
         kvgate_process(vllm_replicas, redis_url, store, http) as (b, _),
@@ -226,9 +227,12 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
                 http, a.url, "precise-b", prompt(f"load {replica.url}"), max_tokens=1, headers=pin(replica)
             )
         admin = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+        async with http.get(f"{b}/healthz", headers=admin) as response:
+            workers = len((await response.json()).get("workers", [None]))  # each follows the events itself
 
         async def b_sample(name: str, replica: VllmProcess, **labels: str) -> float:
-            """One of B's samples for ``replica`` (0 when B has none yet), read off its ``/metrics``."""
+            """One of B's samples for ``replica`` (0 when B has none yet), read off its ``/metrics``: its
+            workers' merged page (counters summed, gauges the largest)."""
             async with http.get(f"{b}/metrics", headers=admin) as response:
                 exposition = await response.text()
             wanted = {f'{k}="{v}"' for k, v in {"replica": replica.url, **labels}.items()}
@@ -238,21 +242,33 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
                     return float(value)
             return 0.0
 
-        held: dict[str, float] = {}
-        for replica in vllm_replicas:  # B's SUB sockets have joined: events sent from now on reach B
-            stored = functools.partial(b_sample, "kvgate_kv_events_total", replica, kind="BlockStored")
-            await until_followed(http, a.url, replica, stored)
-            held[replica.url] = await b_sample("kvgate_kv_view_blocks", replica)
+        def b_stored(replica: VllmProcess) -> Awaitable[float]:
+            return b_sample("kvgate_kv_events_total", replica, kind="BlockStored")
+
+        for replica in vllm_replicas:  # every worker of B has joined: each event reaches each of them
+            await until_every_follower_counts(http, a, replica, functools.partial(b_stored, replica), workers)
+        a_before = {r.url: stored_in(a.metrics, r)() for r in vllm_replicas}
+        b_before = {r.url: await b_stored(r) for r in vllm_replicas}
         prompts = {prompt(f"b{i}"): vllm_replicas[i % 2] for i in range(4)}
         for text, replica in prompts.items():  # warmed through A, each on one replica
             warmed = await complete(http, a.url, "precise-b", text, max_tokens=1, headers=pin(replica))
             assert warmed.cached_tokens == 0
 
-        async def b_learned() -> bool:
-            blocks = [await b_sample("kvgate_kv_view_blocks", r) for r in vllm_replicas]
-            return all(n >= held[r.url] + 6 for n, r in zip(blocks, vllm_replicas, strict=True))
+        def a_learned() -> bool:
+            return all(blocks_of(a.metrics, r) >= 6 for r in vllm_replicas)
 
-        await eventually(b_learned, "B's views hold the blocks warmed through A", within=20)
+        await eventually(a_learned, "A's views hold the blocks warmed through it", within=20)
+
+        async def b_learned() -> bool:  # every worker of B got every event A got
+            for r in vllm_replicas:
+                seen_by_a = stored_in(a.metrics, r)() - a_before[r.url]
+                if seen_by_a <= 0 or await b_stored(r) - b_before[r.url] < workers * seen_by_a:
+                    return False
+            return True
+
+        await eventually(
+            b_learned, "each of B's workers got the events of the blocks warmed through A", within=20
+        )
         for text, replica in prompts.items():
             through_b = await complete(http, b, "precise-b", text, max_tokens=1)
             assert through_b.evidence[REPLICA_HEADER] == replica.url, text[:40]
@@ -261,6 +277,37 @@ async def test_a_second_kvgate_routes_prompts_warmed_through_the_first_to_their_
         async with http.get(f"{b}/metrics", headers=admin) as response:
             exposition = await response.text()
         assert 'kvgate_prefix_matched_blocks_count{source="precise"} 4.0' in exposition
+        async with http.get(f"{b}/healthz", headers=admin) as response:
+            health = await response.json()
+        assert {s["routing"] for s in health["kv_events"].values()} == {"exact"}
+        assert health["tokenizers"] == {"base": f"from {fixture_dir / 'model'}"}
+
+
+async def until_every_follower_counts(
+    http: aiohttp.ClientSession,
+    a: Gateway,
+    replica: VllmProcess,
+    b_stored: Callable[[], Awaitable[float]],
+    workers: int,
+) -> None:
+    """Wait until each of B's ``workers`` gets ``replica``'s events: a probe through A, until what B's
+    workers counted since the probe before it (summed) is ``workers`` times what A counted (A in this
+    process has joined first: ``until_followed``). ZMQ drops what is sent before a SUB socket joins."""
+    await until_followed(http, a.url, replica, stored_in(a.metrics, replica))
+    mark: tuple[float, float] | None = None
+
+    async def joined() -> bool:
+        nonlocal mark
+        a_now, b_now = stored_in(a.metrics, replica)(), await b_stored()
+        if mark is not None and a_now > mark[0] and b_now - mark[1] >= workers * (a_now - mark[0]):
+            return True
+        if mark is None or a_now > mark[0]:  # the last probe reached A: send the next one
+            mark = (a_now, b_now)
+            probe = f"Probe {next(PROBES)}. " + long_prompt(5)  # about 160 tokens: one full block
+            await complete(http, a.url, "base", probe, max_tokens=1, headers=pin(replica))
+        return False
+
+    await eventually(joined, f"every worker of B follows {replica.url}'s KV events", within=60)
 
 
 async def test_a_replica_restart_empties_its_view_and_it_is_learned_again(
