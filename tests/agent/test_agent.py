@@ -33,7 +33,7 @@ from gateway.agent.server import FETCHER, build_agent
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.process.http_edge import free_port, running
 from tests.support.adapter_files import MakeAdapter
-from tests.support.conditions import eventually
+from tests.support.conditions import STARTS_WITHIN_S, eventually
 from tests.support.s3_server import S3Server, environment, silent_endpoint
 from tests.support.stub_backend import StubState, build_stub
 
@@ -223,7 +223,9 @@ async def test_an_agent_restarted_mid_fetch_leaves_nothing_and_fetches_again(
     async def started() -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
 
-        await eventually(lambda: healthy(f"http://127.0.0.1:{port}"), "the agent answers /healthz", within=30)
+        await eventually(
+            lambda: healthy(f"http://127.0.0.1:{port}"), "the agent answers /healthz", within=STARTS_WITHIN_S
+        )
         return process
 
     first = await started()

@@ -99,7 +99,7 @@ async def serve_with_api_keys(make_adapter: MakeAdapter, data: Path) -> None:
         server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE, env=env)
         try:
             url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
-            await until_healthy(admin, within=60)
+            await until_healthy(admin)
             async with aiohttp.ClientSession() as http:
                 token = {"x-kvgate-admin-token": "admin-secret"}
                 async with http.get(f"{url}/metrics") as response:

@@ -98,7 +98,7 @@ async def test_serve_with_the_embedded_redis_ready_draining_not_alive(
         start_stub(p, built["stub"], volumes, delay=1.5)
         kvgate = p.run("kvgate", built["kvgate"], "serve", options=kvgate_options(volumes, make_adapter()))
         try:
-            await until_healthy(f"http://{p.ip}:8080", within=60)
+            await until_healthy(f"http://{p.ip}:8080")
         except BaseException:
             print(p.logs())
             raise
@@ -112,7 +112,7 @@ async def test_serve_with_the_embedded_redis_ready_draining_not_alive(
         assert health(kvgate) == 1, "HEALTHCHECK: not ready while it does not answer"
         assert podman(*alive, check=False).returncode == 1, "liveness: not alive while it does not answer"
         podman("kill", "--signal=CONT", kvgate)
-        await until_healthy(f"http://{p.ip}:8080", within=30)
+        await until_healthy(f"http://{p.ip}:8080")
         assert health(kvgate) == 0
 
         client = openai.AsyncOpenAI(base_url=f"http://{p.ip}:8080/v1", api_key="unused", max_retries=0)
@@ -155,7 +155,7 @@ async def test_serve_with_redis_from_the_redis_image(
         options = kvgate_options(volumes, make_adapter(), "KVGATE_REDIS_URL=redis://127.0.0.1:6379/0")
         kvgate = p.run("kvgate", built["kvgate"], "serve", options=options)
         try:
-            await until_healthy(f"http://{p.ip}:8080", within=60)
+            await until_healthy(f"http://{p.ip}:8080")
         except BaseException:
             print(p.logs())
             raise

@@ -157,7 +157,7 @@ async def test_installed_kvgate_serves_healthz(installed: Path, redis_server: Em
             }
             kvgate = str(installed / "bin" / "kvgate")
             server = await asyncio.create_subprocess_exec(kvgate, "serve", env=env, cwd=installed)
-            await until_healthy(url, within=30)
+            await until_healthy(url)
             assert await exit_code() == 0, "ready: /healthz answers 200"
             assert await exit_code("--alive") == 0
         await eventually(not_ready, "/healthz is 503 once the replica is gone", within=15)

@@ -117,7 +117,7 @@ async def kvgate_serve(
         process = await asyncio.create_subprocess_exec(*command, env=env, stderr=stderr)
     try:
         url = f"http://127.0.0.1:{port}"
-        await until_healthy(url, within=30)
+        await until_healthy(url)
         yield Kvgate(url, f"http://127.0.0.1:{admin_port}", log)
     finally:
         if process.returncode is None:

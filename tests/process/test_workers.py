@@ -30,7 +30,7 @@ from gateway.table.redis_server import EmbeddedRedis
 from tests.kv.test_kv_follower import captured
 from tests.kv.test_tokens import model_dir  # noqa: F401  (a small real tokenizer for kv_events)
 from tests.support.adapter_files import MakeAdapter
-from tests.support.conditions import eventually
+from tests.support.conditions import STARTS_WITHIN_S, eventually
 from tests.support.stub_backend import StubState, build_stub
 
 TOKEN = "workers-admin-token"
@@ -97,7 +97,7 @@ async def serve(data: Path, stub_url: str, *extra: str, workers: int = 2) -> Asy
             assert process.returncode is None, served.text()
             return False
 
-        await eventually(all_ready, f"{workers} workers ready", within=60)
+        await eventually(all_ready, f"{workers} workers ready", within=STARTS_WITHIN_S)
         yield served
     finally:
         if process.returncode is None:
@@ -212,7 +212,7 @@ async def test_a_killed_worker_is_restarted_and_counted_and_the_merged_counters_
             slot = now["workers"][1]
             return bool(slot["state"] == "ready" and slot["pid"] != victim["pid"] and slot["restarts"] == 1)
 
-        await eventually(back, "worker 1 restarted and ready", within=60)
+        await eventually(back, "worker 1 restarted and ready", within=STARTS_WITHIN_S)
         await eventually(lambda: counted(sent + 20), "the new worker 1 carries the old one's counts on")
         page = await served.merged_metrics()
         assert sample(page, 'kvgate_worker_restarts_total{worker="1"}') == 1

@@ -31,7 +31,7 @@ from gateway.process.http_edge import free_port, running
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import MakeAdapter
-from tests.support.conditions import eventually
+from tests.support.conditions import STARTS_WITHIN_S, eventually
 from tests.support.stub_backend import StubState, build_stub
 
 ADMIN = "gate-fleet-admin-token"
@@ -74,7 +74,7 @@ async def kvgate(
                 return [w["state"] for w in health.get("workers", [])] == ["ready", "ready"]
             return False
 
-        await eventually(ready, f"{name}: two workers ready", within=60)
+        await eventually(ready, f"{name}: two workers ready", within=STARTS_WITHIN_S)
         yield served
     finally:
         if process.returncode is None:

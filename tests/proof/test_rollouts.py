@@ -57,7 +57,7 @@ async def gateway_process(
     process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        await until_healthy(url, within=30)
+        await until_healthy(url)
         yield url
     finally:
         process.terminate()

@@ -23,7 +23,13 @@ async def eventually(check: Check, what: str, within: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def until_healthy(url: str, within: float = 30.0) -> None:
+STARTS_WITHIN_S = 120.0
+"""How long a kvgate (or agent) process may take to start: a bound against a hang, not a figure. Starting
+Python, its workers, the indexer and the tokenizers beside two vLLM replicas and other xdist workers on two
+shared cores took over 60 s in a fresh-clone run (load average 25)."""
+
+
+async def until_healthy(url: str, within: float = STARTS_WITHIN_S) -> None:
     """Wait for a kvgate started as a process to answer ``/healthz`` with 200."""
     async with aiohttp.ClientSession() as http:
 

@@ -24,7 +24,7 @@ from gateway.process.http_edge import free_port, running
 from gateway.table.redis_server import EmbeddedRedis, find_redis_server, redis_servers_in
 from tests.cli.test_cli import kvgate, ok
 from tests.support.adapter_files import MakeAdapter
-from tests.support.conditions import eventually
+from tests.support.conditions import STARTS_WITHIN_S, eventually
 from tests.support.stub_backend import StubState, build_stub
 
 
@@ -48,7 +48,7 @@ async def kvgate_serve(data: Path) -> AsyncIterator[tuple[str, asyncio.subproces
         server = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
-            await eventually(lambda: healthy(url), "kvgate serve answers /healthz", within=30)
+            await eventually(lambda: healthy(url), "kvgate serve answers /healthz", within=STARTS_WITHIN_S)
             yield url, server
         finally:
             if server.returncode is None:

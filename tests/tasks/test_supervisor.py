@@ -202,7 +202,7 @@ async def test_serve_exits_1_when_its_embedded_redis_cannot_be_restarted(tmp_pat
         with log_path.open("wb") as log_file:
             server = await asyncio.create_subprocess_exec(*command, stderr=log_file)
         try:
-            await until_healthy(f"http://127.0.0.1:{port}", within=30)
+            await until_healthy(f"http://127.0.0.1:{port}")
             _, doc = await health(f"http://127.0.0.1:{port}")
             redis_home = (data / "redis").resolve()
             for path in redis_home.rglob("appendonly*"):
@@ -251,7 +251,7 @@ async def test_sigterm_with_a_load_in_flight_logs_no_unretrieved_task_exception(
                 process = await asyncio.create_subprocess_exec(*command, stderr=log_file)
             try:
                 url = f"http://127.0.0.1:{port}"
-                await until_healthy(url, within=30)
+                await until_healthy(url)
                 body = {"model": "tenant-42", "prompt": "p", "max_tokens": 1}
                 async with aiohttp.ClientSession() as http:
                     request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))

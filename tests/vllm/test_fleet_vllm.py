@@ -33,7 +33,7 @@ from gateway.settings.flags import flag
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import swap_back, swap_bytes
-from tests.support.conditions import eventually
+from tests.support.conditions import STARTS_WITHIN_S, eventually
 from tests.support.engine_pause import paused_engine
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
@@ -62,7 +62,7 @@ async def kvgate_process(
             return False
 
     try:
-        await eventually(healthy, "kvgate B answers /healthz", within=60)
+        await eventually(healthy, "kvgate B answers /healthz", within=STARTS_WITHIN_S)
         yield url, process
     finally:
         if process.returncode is None:
