@@ -93,6 +93,7 @@ POLL_S = 0.01  # between two polls of one kvgate's status, while waiting for a c
 EPSILON = 1e-6  # float noise allowed on top of the tolerance (logprobs travel as JSON floats)
 DRAIN_GRACE_S = 2.0  # kvgate's --drain-grace: a retired version may be unloaded this long after
 CALIBRATE_EVERY = 4  # every 4th check runs three cold runs, whatever it finds (the cold-to-cold spread)
+TOP_LOGPROBS = 5  # a cold run's top tokens per position: is the answer's token, where they part, a near-tie?
 
 
 # --- child processes ---------------------------------------------------------------------------------
@@ -316,6 +317,19 @@ def request_body(shape: Shape, tenant: int, question: int) -> dict[str, Any]:
     return body
 
 
+def top_choices(choice: dict[str, Any], chat: bool) -> list[dict[str, float]]:
+    """Per generated position, the top tokens and their logprobs (a cold run asks for ``TOP_LOGPROBS``)."""
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        return [
+            {str(t["token"]): float(t["logprob"]) for t in item.get("top_logprobs") or []}
+            for item in logprobs.get("content") or []
+        ]
+    return [
+        {str(k): float(v) for k, v in (item or {}).items()} for item in logprobs.get("top_logprobs") or []
+    ]
+
+
 def choice_parts(choice: dict[str, Any], chat: bool, stream: bool) -> tuple[str, list[str], list[float]]:
     """The text, tokens and token logprobs one choice (or SSE chunk choice) carries."""
     logprobs = choice.get("logprobs") or {}
@@ -366,6 +380,7 @@ class Outcome:
     colds_agree: bool = True  # its cold runs all have the same tokens
     diverges_at: int | None = None  # first token where the answer and the first cold run differ
     prefix_diff: float | None = None  # max |dlogprob| on the tokens before that
+    tie_gap: float | None = None  # how near a tie that first difference is (``Answer.tie_gap``), if one
     verdict: str = ""  # set by the report: coherent | incoherent | nondeterministic
 
     @property
@@ -452,6 +467,21 @@ class Answer:
     text: str
     tokens: tuple[str, ...]
     logprobs: tuple[float, ...]
+    tops: tuple[dict[str, float], ...] = ()  # per position, the top tokens' logprobs (cold runs)
+
+    def tie_gap(self, cold: Answer) -> float | None:
+        """Where this answer first parts from ``cold``: how near a tie that is. The largest of: max |dlogprob|
+        on the tokens before, how far below the cold run's own choice it rates this answer's token, and
+        |dlogprob| of this answer's token between the two. Numerical noise within the tolerance flips such a
+        near-tie (the continuations then differ, having other contexts); a version mix-up parts at once, by
+        far. None when they do not part, or the cold run does not rate this answer's token."""
+        at, before = self.divergence(cold)
+        if at is None or at >= min(len(self.tokens), len(self.logprobs), len(cold.tops), len(cold.logprobs)):
+            return None
+        rated = cold.tops[at].get(self.tokens[at])
+        if rated is None:
+            return None
+        return max(before, cold.logprobs[at] - rated, abs(self.logprobs[at] - rated))
 
     def diff(self, other: Answer) -> float:
         """Max |dlogprob| over the tokens; infinite when the token sequences differ."""
@@ -498,6 +528,7 @@ class Checker:
         assert out.version is not None
         assert out.digest is not None
         cold_body = {k: v for k, v in body.items() if k != "stream"} | {"model": out.version}
+        cold_body |= {"top_logprobs": TOP_LOGPROBS} if shape.chat else {"logprobs": TOP_LOGPROBS}
         path = "/v1/chat/completions" if shape.chat else "/v1/completions"
         try:
             for attempt in range(2):
@@ -515,7 +546,7 @@ class Checker:
                     return f"{response.status}: {text[:200]}"
                 choice = json.loads(text)["choices"][0]
                 answer, tokens, logprobs = choice_parts(choice, shape.chat, stream=False)
-                return Answer(answer, tuple(tokens), tuple(logprobs))
+                return Answer(answer, tuple(tokens), tuple(logprobs), tuple(top_choices(choice, shape.chat)))
         except (aiohttp.ClientError, TimeoutError, LoadFailed, ValueError, KeyError) as exc:
             return f"{type(exc).__name__}: {str(exc)[:160]}"
         return "404 after loading it again"
@@ -544,6 +575,7 @@ class Checker:
         out.cold_spread = max(spreads) if spreads else None
         out.colds_agree = len({c.tokens for c in colds}) == 1
         out.diverges_at, out.prefix_diff = served.divergence(first)
+        out.tie_gap = served.tie_gap(first)
         key = (str(out.digest), json.dumps(body | {"model": out.version}, sort_keys=True))
         seen = self.references.setdefault(key, (str(out.replica), first))
         if seen[0] != out.replica and not seen[1].agrees(first, 0.0):
@@ -557,7 +589,9 @@ def judge(outcomes: Sequence[Outcome]) -> float:
     tolerance is ``TOLERANCE_MARGIN`` times the largest |dlogprob| seen between two cold runs of the same
     request (same tokens) on the same replica. An answer is coherent when it has the tokens of one of its
     cold runs and max |dlogprob| to it within the tolerance; nondeterministic when it is not and its cold
-    runs disagree on the tokens among themselves (nothing can be judged); incoherent otherwise."""
+    runs disagree on the tokens among themselves (nothing can be judged); a tie when it parts from its
+    agreeing cold runs at a near-tie (``Answer.tie_gap`` within the tolerance: the same numerical noise the
+    tolerance allows flips it); incoherent otherwise."""
     spreads = [o.cold_spread for o in outcomes if o.cold_spread is not None]
     tolerance = TOLERANCE_MARGIN * max(spreads, default=0.0)
     for out in outcomes:
@@ -567,6 +601,8 @@ def judge(outcomes: Sequence[Outcome]) -> float:
             out.verdict = "coherent"
         elif not out.colds_agree:
             out.verdict = "nondeterministic"
+        elif out.tie_gap is not None and out.tie_gap <= tolerance + EPSILON:
+            out.verdict = "tie"
         else:
             out.verdict = "incoherent"
     return tolerance
@@ -1223,6 +1259,7 @@ def report(run: Run) -> str:
         )
     ]
     incoherent = [o for o in outs if o.verdict == "incoherent"]
+    ties = [o for o in outs if o.verdict == "tie"]
     errors: Counter[str] = Counter()
     samples: dict[str, str] = {}
     for o in outs:
@@ -1283,6 +1320,8 @@ def report(run: Run) -> str:
         f"| answers judged (recomputed cold on their replica and compared) | {len(checked)} | |",
         f"| sampled, not judged (the cold run failed; why below) | {sum(not_recomputable.values())} | |",
         f"| incoherent answers | {len(incoherent)} | 0 |",
+        f"| judged a near-tie flipped by noise within the tolerance (same tokens up to it; see below) | "
+        f"{len(ties)} | |",
         f"| complete answers routed on matched cached blocks (`x-kvgate-prefix-match` > 0), by how "
         f"decided | {matched}: " + ", ".join(f"{k} {n}" for k, n in sorted(matches.items())) + " | |",
         "| complete answers while a rollout ran, by the version's role | "
@@ -1330,6 +1369,9 @@ def report(run: Run) -> str:
         f"{max((o.max_diff for o in within), default=0.0):.2g}). Calibration cold runs that failed: "
         + (", ".join(f"{_cell(k)} x{n}" for k, n in calibration_failures.items()) or "none")
         + ".",
+        "",
+        _divergences("Near-ties flipped", [(o.diverges_at, o.prefix_diff or 0.0) for o in ties])
+        + (f" Largest tie gap {max(o.tie_gap or 0.0 for o in ties):.2g}." if ties else ""),
         "",
         _divergences(
             "Nondeterministic answers", [(o.diverges_at, o.prefix_diff or 0.0) for o in nondeterministic]
@@ -1393,7 +1435,8 @@ def report(run: Run) -> str:
             f"- {o.version} on {o.replica} via kvgate-{o.gateway}, {o.shape}, epoch {o.epoch}: first differs "
             f"from the cold run at token {o.diverges_at}, max |dlogprob| before it "
             f"{o.prefix_diff or 0.0:.2g}, "
-            f"to the closest cold run {o.max_diff:.2g}"
+            f"to the closest cold run {o.max_diff:.2g}, tie gap "
+            f"{'-' if o.tie_gap is None else format(o.tie_gap, '.2g')}"
             for o in incoherent[:10]
         ]
     return "\n".join(lines)
