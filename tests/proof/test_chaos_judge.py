@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from loadtest.chaos import (
     FAULT_KINDS,
     ROLLOUT_OPS,
@@ -75,3 +77,18 @@ def test_rollout_commands_only_while_a_rollout_runs_and_publishes_only_while_non
     assert running == {op for op, _ in ROLLOUT_OPS}
     assert {"publish", "rollback", "rollout-start"} <= idle
     assert not idle & {"rollout-raise", "promote", "abort"}
+
+
+def test_an_answer_parting_at_a_near_tie_within_the_tolerance_is_a_tie_and_far_from_it_incoherent() -> None:
+    cold = Answer("xab", ("x", "a", "b"), (-0.5, -1.00, -0.3), ({"x": -0.5}, {"a": -1.00, "c": -1.02}, {}))
+    flipped = Answer("xcd", ("x", "c", "d"), (-0.51, -1.01, -0.2))  # noise 0.01 turned a 0.02 tie over
+    mixed_up = Answer("xcd", ("x", "c", "d"), (-0.9, -1.01, -0.2))  # 0.4 off before it parts
+    unrated = Answer("xed", ("x", "e", "d"), (-0.51, -1.01, -0.2))  # a token the cold run does not rate
+    assert flipped.tie_gap(cold) == pytest.approx(0.02)
+    assert mixed_up.tie_gap(cold) == pytest.approx(0.4)
+    assert unrated.tie_gap(cold) is None
+    outs = [checked([math.inf], spread=0.015), checked([math.inf]), checked([math.inf])]
+    for out, answer in zip(outs, (flipped, mixed_up, unrated), strict=True):
+        out.tie_gap = answer.tie_gap(cold)
+    assert judge(outs) == pytest.approx(0.03)
+    assert [o.verdict for o in outs] == ["tie", "incoherent", "incoherent"]
