@@ -1322,8 +1322,10 @@ def report(run: Run) -> str:
         f"| incoherent answers | {len(incoherent)} | 0 |",
         f"| judged a near-tie flipped by noise within the tolerance (same tokens up to it; see below) | "
         f"{len(ties)} | |",
-        f"| complete answers routed on matched cached blocks (`x-kvgate-prefix-match` > 0), by how "
-        f"decided | {matched}: " + ", ".join(f"{k} {n}" for k, n in sorted(matches.items())) + " | |",
+        f"| complete answers routed on matched cached blocks (`x-kvgate-prefix-match` > 0); every "
+        f"complete answer by the index that decided it | {matched}; "
+        + ", ".join(f"{k} {n}" for k, n in sorted(matches.items()))
+        + " | |",
         "| complete answers while a rollout ran, by the version's role | "
         + (", ".join(f"{k} {n}" for k, n in sorted(roles.items())) or "none")
         + " | both |",
