@@ -162,12 +162,12 @@ loadtest-objstore: setup
 	$(PY) -m loadtest.objstore_first_answer --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
 		--rounds $(ROUNDS) --out docs/object-store.md
 
-# The chaos run (not part of `make test`): three kvgate processes on one Redis, two real vLLM replicas, four
-# tenants, traffic, changes and faults for MINUTES minutes; writes docs/chaos.md. `make chaos MINUTES=2`.
-MINUTES ?= 10
+# The chaos run (not part of `make test`): two kvgates x 2 workers on one Redis, two real vLLM replicas with KV
+# events and S3 agents, four tenants, REQUESTS requests beside changes, rollouts and faults; writes docs/chaos.md.
+REQUESTS ?= 10000
 chaos: setup
 	$(PY) -m loadtest.chaos --vllm-python $(abspath $(VLLM_PY)) --fixture-dir $(abspath $(FIXTURE_DIR)) \
-		--minutes $(MINUTES) --out docs/chaos.md
+		--requests $(REQUESTS) --out docs/chaos.md
 
 # A hot version on one replica spreads to the second: time from the load bound crossed (docs/chaos.md).
 chaos-spread: setup

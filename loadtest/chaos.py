@@ -1,19 +1,26 @@
-"""The chaos run (issue 9, #7): three kvgate processes on one Redis in front of two real vLLM CPU replicas,
-four tenants, concurrent traffic, and faults, for a bounded time. Does every answer stay coherent?
+"""The chaos run (issue 9 #7, issue 28 #8): every feature at once. kvgate processes (``--workers 2``
+each, default routing: precise on KV events) on one Redis in front of two real vLLM CPU replicas that
+publish KV events, adapters in an object store (moto's S3 server) fetched by one ``kvgate agent`` per
+replica, four tenants, concurrent traffic, versions and rollouts changing, and faults, for ``--requests``
+requests. Does every answer stay coherent? The exit status is 1 when one did not (or a fault kind never
+ran, or nothing was judged).
 
 Topology: one ``redis-server`` this run owns (TCP on 127.0.0.1, append-only file fsynced always), two
-vLLM replicas (``gateway.dev.vllm_process``), three ``kvgate serve`` processes (``--expose-replica-urls``, so
-an answer names the replica by URL and can be recomputed there), four logical IDs published with
-``kvgate publish``. Concurrent clients send completions and chat completions, streaming and not,
-round-robin through the three kvgates (a connection refused by a killed kvgate goes to the next one, as a
-load balancer would). Meanwhile:
+vLLM replicas (``gateway.dev.vllm_process``, ``kv_events_args``), a moto S3 server and a bucket, one
+``kvgate agent`` per replica (its own directory, which the replica loads from), ``--kvgates`` ``kvgate
+serve`` processes (``--expose-replica-urls``, so an answer names the replica by URL and can be recomputed
+there), four logical IDs published with ``kvgate publish`` to the bucket. Concurrent clients send
+completions and chat completions, streaming and not, to a random kvgate (a connection refused by a killed
+kvgate goes to the next one, as a load balancer would). Meanwhile:
 
 - changes: publishes (cycling through the fixture's adapter versions), rollbacks and bumps with the CLI,
-  bumps straight through Redis (``kvgate script bump_epoch`` text, by ``EVAL`` and by ``redis-cli --eval``);
-  after each, every live kvgate's ``/kvgate/status`` is polled until its snapshot shows the change (the
-  delay is measured from the ``updated_ms`` the script wrote);
-- faults, each kind at least once: ``kill -9`` of a kvgate (restarted 2 s later), a vLLM replica stopped
-  and started again (it comes back with no adapters), Redis killed (``kill -9``) and restarted from its
+  bumps straight through Redis (``kvgate script bump_epoch`` text, by ``EVAL`` and by ``redis-cli --eval``),
+  rollouts (``kvgate rollout`` start and raise, ``kvgate promote``, ``kvgate abort``), chosen by what the
+  tenant's state allows; after each version or epoch change, every live kvgate's ``/kvgate/status`` is
+  polled until its snapshot shows it (the delay is measured from the ``updated_ms`` the script wrote);
+- faults, spread over the requests, each kind at least once: ``kill -9`` of one worker of a kvgate (its
+  parent starts another), ``kill -9`` of a whole kvgate (restarted 2 s later), a vLLM replica stopped and
+  started again (it comes back with no adapters), Redis killed (``kill -9``) and restarted from its
   append-only file, and once restarted empty (kvgates re-seed from their snapshots).
 
 Every response's version, digest, epoch and replica is recorded (``records.jsonl`` in the work folder,
@@ -21,10 +28,10 @@ Every response's version, digest, epoch and replica is recorded (``records.jsonl
 the replica that served it, straight to the replica (same versioned name and request, a fresh
 ``cache_salt``): the tokens must be equal and max |dlogprob| within the tolerance, calibrated the audit's
 way over the whole run (``judge``: a margin times the largest disagreement between cold runs). A version
-unloaded meanwhile is loaded again from the store first.
+unloaded meanwhile is loaded again from that replica's agent's copy first.
 
     .venv/bin/python -m loadtest.chaos --vllm-python .venv-vllm/bin/python --fixture-dir .cache/fixture \\
-        --minutes 10 --out docs/chaos.md
+        --requests 10000 --out docs/chaos.md
 """
 
 from __future__ import annotations
@@ -52,29 +59,33 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from gateway.adapters.store import AdapterStore
 from gateway.core.errors import LoadFailed
 from gateway.core.identity import scan_adapter, tree_digest
 from gateway.core.wire import (
     ADMIN_TOKEN_HEADER,
     DIGEST_HEADER,
     EPOCH_HEADER,
+    PREFIX_MATCH_HEADER,
     REPLICA_HEADER,
+    ROLE_HEADER,
     VERSION_HEADER,
     cold_salt,
 )
 from gateway.dev import generated_docs
-from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, start_replicas
+from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, kv_events_args, start_replicas
 from gateway.fleet.backends.vllm import VllmDialect
 from gateway.process.http_edge import free_port
 from gateway.proof.audit import TOLERANCE_MARGIN
 from gateway.table import keys
 from gateway.table.epoch_table import REDIS_DOWN
 from loadtest.invalidation import system_prompt
+from tests.support.s3_server import s3_server
 
 log = logging.getLogger("chaos")
 
 TOKEN = "chaos-admin-token"
+AGENT_TOKEN = "chaos-agent-token"
+READY_S = 180.0  # a (re)started kvgate takes its base prints and starts its workers within this
 DEADLINE_S = 120.0  # a request still running after this is hung
 QUESTIONS = 24  # few enough that prompts repeat: warm hits, and cold answers to compare across replicas
 PROPAGATION_DEADLINE_S = 15.0
@@ -82,6 +93,7 @@ POLL_S = 0.01  # between two polls of one kvgate's status, while waiting for a c
 EPSILON = 1e-6  # float noise allowed on top of the tolerance (logprobs travel as JSON floats)
 DRAIN_GRACE_S = 2.0  # kvgate's --drain-grace: a retired version may be unloaded this long after
 CALIBRATE_EVERY = 4  # every 4th check runs three cold runs, whatever it finds (the cold-to-cold spread)
+TOP_LOGPROBS = 5  # a cold run's top tokens per position: is the answer's token, where they part, a near-tie?
 
 
 # --- child processes ---------------------------------------------------------------------------------
@@ -191,8 +203,25 @@ def kvgate_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *args]
 
 
+def worker_pids(parent: int) -> list[int]:
+    """The ``gateway.process.worker`` children of the process ``parent`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # it ended meanwhile
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == parent and b"gateway.process.worker" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
 class Kvgate:
-    """One ``kvgate serve`` process; started again on the same port after a kill."""
+    """One ``kvgate serve`` (a parent and its workers); started again on the same port after a kill."""
 
     def __init__(self, index: int, argv: list[str], port: int, log_path: Path) -> None:
         self.index = index
@@ -217,8 +246,21 @@ class Kvgate:
             except (aiohttp.ClientError, TimeoutError):
                 return False
 
-        await until(healthy, 60, f"kvgate {self.index} healthy")
+        await until(healthy, READY_S, f"kvgate {self.index} healthy")
         self.up = True
+
+    def workers(self) -> list[int]:
+        """The process ids of its workers (``gateway.process.worker`` children of its parent), from /proc."""
+        if self.child is None or self.child.proc is None or not self.child.running:
+            return []
+        return worker_pids(self.child.proc.pid)
+
+    async def healthy(self, http: aiohttp.ClientSession) -> bool:
+        try:
+            async with http.get(f"{self.url}/healthz") as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def kill9(self) -> None:
         self.up = False
@@ -252,7 +294,7 @@ class Shape:
 SHAPES = (
     Shape("completion", chat=False, stream=False, max_tokens=8, weight=0.30),
     Shape("completion-stream", chat=False, stream=True, max_tokens=8, weight=0.20),
-    Shape("completion-stream-long", chat=False, stream=True, max_tokens=48, weight=0.15),
+    Shape("completion-stream-long", chat=False, stream=True, max_tokens=32, weight=0.15),
     Shape("chat", chat=True, stream=False, max_tokens=8, weight=0.15),
     Shape("chat-stream", chat=True, stream=True, max_tokens=16, weight=0.20),
 )
@@ -273,6 +315,19 @@ def request_body(shape: Shape, tenant: int, question: int) -> dict[str, Any]:
     if shape.stream:
         body["stream"] = True
     return body
+
+
+def top_choices(choice: dict[str, Any], chat: bool) -> list[dict[str, float]]:
+    """Per generated position, the top tokens and their logprobs (a cold run asks for ``TOP_LOGPROBS``)."""
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        return [
+            {str(t["token"]): float(t["logprob"]) for t in item.get("top_logprobs") or []}
+            for item in logprobs.get("content") or []
+        ]
+    return [
+        {str(k): float(v) for k, v in (item or {}).items()} for item in logprobs.get("top_logprobs") or []
+    ]
 
 
 def choice_parts(choice: dict[str, Any], chat: bool, stream: bool) -> tuple[str, list[str], list[float]]:
@@ -310,6 +365,8 @@ class Outcome:
     digest: str | None = None
     epoch: int | None = None
     replica: str | None = None
+    role: str | None = None  # while a rollout runs: current | candidate (x-kvgate-rollout)
+    match: str | None = None  # what the routing decision matched (x-kvgate-prefix-match: "precise:3")
     text: str = ""
     tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -323,6 +380,7 @@ class Outcome:
     colds_agree: bool = True  # its cold runs all have the same tokens
     diverges_at: int | None = None  # first token where the answer and the first cold run differ
     prefix_diff: float | None = None  # max |dlogprob| on the tokens before that
+    tie_gap: float | None = None  # how near a tie that first difference is (``Answer.tie_gap``), if one
     verdict: str = ""  # set by the report: coherent | incoherent | nondeterministic
 
     @property
@@ -350,6 +408,8 @@ async def send(
         epoch = response.headers.get(EPOCH_HEADER)
         out.epoch = int(epoch) if epoch else None
         out.replica = response.headers.get(REPLICA_HEADER)
+        out.role = response.headers.get(ROLE_HEADER)
+        out.match = response.headers.get(PREFIX_MATCH_HEADER)
         if response.status != 200:
             text = await response.text()
             out.error, out.detail = error_kind(response.status, text)
@@ -407,6 +467,21 @@ class Answer:
     text: str
     tokens: tuple[str, ...]
     logprobs: tuple[float, ...]
+    tops: tuple[dict[str, float], ...] = ()  # per position, the top tokens' logprobs (cold runs)
+
+    def tie_gap(self, cold: Answer) -> float | None:
+        """Where this answer first parts from ``cold``: how near a tie that is. The largest of: max |dlogprob|
+        on the tokens before, how far below the cold run's own choice it rates this answer's token, and
+        |dlogprob| of this answer's token between the two. Numerical noise within the tolerance flips such a
+        near-tie (the continuations then differ, having other contexts); a version mix-up parts at once, by
+        far. None when they do not part, or the cold run does not rate this answer's token."""
+        at, before = self.divergence(cold)
+        if at is None or at >= min(len(self.tokens), len(self.logprobs), len(cold.tops), len(cold.logprobs)):
+            return None
+        rated = cold.tops[at].get(self.tokens[at])
+        if rated is None:
+            return None
+        return max(before, cold.logprobs[at] - rated, abs(self.logprobs[at] - rated))
 
     def diff(self, other: Answer) -> float:
         """Max |dlogprob| over the tokens; infinite when the token sequences differ."""
@@ -433,9 +508,10 @@ class Checker:
     """Recomputes answers cold on the replica that served them, straight to the replica; the verdicts are
     drawn at the end of the run (``judge``), once the cold-to-cold noise of the whole run is known."""
 
-    def __init__(self, http: aiohttp.ClientSession, store: AdapterStore) -> None:
+    def __init__(self, http: aiohttp.ClientSession, copy_of: Callable[[str, str], Path]) -> None:
         self.http = http
-        self.store = store
+        self.copy_of = copy_of
+        """(replica URL, digest) -> the directory that replica loads that version from (its agent's copy)."""
         self.dialect = VllmDialect()
         self.checked = 0
         self.references: dict[tuple[str, str], tuple[str, Answer]] = {}
@@ -447,11 +523,12 @@ class Checker:
 
     async def cold(self, out: Outcome, shape: Shape, body: dict[str, Any]) -> Answer | str:
         """A cold answer on the replica that served ``out``, or why there is none. A version unloaded
-        meanwhile (404) is loaded again from its store directory first."""
+        meanwhile (404) is loaded again from the copy its agent keeps first."""
         assert out.replica is not None
         assert out.version is not None
         assert out.digest is not None
         cold_body = {k: v for k, v in body.items() if k != "stream"} | {"model": out.version}
+        cold_body |= {"top_logprobs": TOP_LOGPROBS} if shape.chat else {"logprobs": TOP_LOGPROBS}
         path = "/v1/chat/completions" if shape.chat else "/v1/completions"
         try:
             for attempt in range(2):
@@ -459,15 +536,17 @@ class Checker:
                 async with self.http.post(out.replica + path, json=cold_body) as response:
                     text = await response.text()
                 if response.status == 404 and attempt == 0:
+                    copy = self.copy_of(out.replica, out.digest)
+                    if not copy.is_dir():
+                        return "gone from the replica and from its agent's directory"
                     out.self_loaded = True
-                    path_of = str(self.store.path_for(out.digest))
-                    await self.dialect.load(self.http, out.replica, out.version, path_of)
+                    await self.dialect.load(self.http, out.replica, out.version, str(copy))
                     continue
                 if response.status != 200:
                     return f"{response.status}: {text[:200]}"
                 choice = json.loads(text)["choices"][0]
                 answer, tokens, logprobs = choice_parts(choice, shape.chat, stream=False)
-                return Answer(answer, tuple(tokens), tuple(logprobs))
+                return Answer(answer, tuple(tokens), tuple(logprobs), tuple(top_choices(choice, shape.chat)))
         except (aiohttp.ClientError, TimeoutError, LoadFailed, ValueError, KeyError) as exc:
             return f"{type(exc).__name__}: {str(exc)[:160]}"
         return "404 after loading it again"
@@ -496,6 +575,7 @@ class Checker:
         out.cold_spread = max(spreads) if spreads else None
         out.colds_agree = len({c.tokens for c in colds}) == 1
         out.diverges_at, out.prefix_diff = served.divergence(first)
+        out.tie_gap = served.tie_gap(first)
         key = (str(out.digest), json.dumps(body | {"model": out.version}, sort_keys=True))
         seen = self.references.setdefault(key, (str(out.replica), first))
         if seen[0] != out.replica and not seen[1].agrees(first, 0.0):
@@ -509,7 +589,9 @@ def judge(outcomes: Sequence[Outcome]) -> float:
     tolerance is ``TOLERANCE_MARGIN`` times the largest |dlogprob| seen between two cold runs of the same
     request (same tokens) on the same replica. An answer is coherent when it has the tokens of one of its
     cold runs and max |dlogprob| to it within the tolerance; nondeterministic when it is not and its cold
-    runs disagree on the tokens among themselves (nothing can be judged); incoherent otherwise."""
+    runs disagree on the tokens among themselves (nothing can be judged); a tie when it parts from its
+    agreeing cold runs at a near-tie (``Answer.tie_gap`` within the tolerance: the same numerical noise the
+    tolerance allows flips it); incoherent otherwise."""
     spreads = [o.cold_spread for o in outcomes if o.cold_spread is not None]
     tolerance = TOLERANCE_MARGIN * max(spreads, default=0.0)
     for out in outcomes:
@@ -519,6 +601,8 @@ def judge(outcomes: Sequence[Outcome]) -> float:
             out.verdict = "coherent"
         elif not out.colds_agree:
             out.verdict = "nondeterministic"
+        elif out.tie_gap is not None and out.tie_gap <= tolerance + EPSILON:
+            out.verdict = "tie"
         else:
             out.verdict = "incoherent"
     return tolerance
@@ -556,21 +640,41 @@ class Propagation:
     gateways: int  # how many kvgates were measured
 
 
-FAULT_KINDS = ("kill-kvgate", "restart-vllm", "restart-redis-aof", "restart-redis-empty")
-CHANGE_OPS = (  # (op, weight)
-    ("publish", 0.35),
-    ("rollback", 0.15),
-    ("bump-cli", 0.15),
-    ("bump-eval", 0.25),
-    ("bump-redis-cli", 0.10),
+FAULT_KINDS = ("kill-worker", "kill-kvgate", "restart-vllm", "restart-redis-aof", "restart-redis-empty")
+BUMPS = (("bump-cli", 0.15), ("bump-eval", 0.20), ("bump-redis-cli", 0.05))
+CHANGE_OPS = (  # (op, weight) while no rollout runs for the tenant
+    ("publish", 0.25),
+    ("rollback", 0.10),
+    ("rollout-start", 0.25),
+    *BUMPS,
+)
+ROLLOUT_OPS = (  # and while one runs (a publish or a rollback would be refused then)
+    ("rollout-raise", 0.30),
+    ("promote", 0.20),
+    ("abort", 0.10),
+    *BUMPS,
 )
 
 
-def fault_plan(minutes: float) -> list[str]:
-    plan = ["kill-kvgate", "restart-vllm", "restart-redis-aof", "kill-kvgate", "restart-redis-empty"]
-    if minutes >= 6:
-        plan += ["restart-redis-aof", "kill-kvgate", "restart-vllm", "kill-kvgate"]
+def fault_plan(requests: int) -> list[str]:
+    """The faults of a run of ``requests`` requests, in order: every kind once, more in a long run."""
+    plan = ["kill-worker", "kill-kvgate", "restart-vllm", "restart-redis-aof", "kill-worker"]
+    plan += ["restart-redis-empty"]
+    if requests >= 5000:
+        plan += ["kill-kvgate", "restart-redis-aof", "kill-worker", "restart-vllm", "kill-kvgate"]
     return plan
+
+
+def fault_points(plan: Sequence[str], requests: int) -> list[int]:
+    """After how many requests sent each fault of ``plan`` begins: spread from 5% to 90% of the run."""
+    last = max(1, len(plan) - 1)
+    return [int(requests * (0.05 + 0.85 * k / last)) for k in range(len(plan))]
+
+
+def next_op(rng: random.Random, rollout_running: bool) -> str:
+    """The next change for a tenant, among those its state allows."""
+    ops = ROLLOUT_OPS if rollout_running else CHANGE_OPS
+    return rng.choices([o for o, _ in ops], weights=[w for _, w in ops])[0]
 
 
 class Run:
@@ -578,7 +682,9 @@ class Run:
         self.args = args
         self.work = work
         self.rng = random.Random(args.seed)
-        self.store = AdapterStore(work / "store")
+        self.store = ""  # s3://BUCKET/chaos, once the S3 server runs
+        self.agent_dirs = [work / f"agent-{i}" for i in (0, 1)]  # each replica's agent keeps versions here
+        self.agents: list[Child] = []
         self.redis_server = RedisServer(work / "redis", free_port())
         self.redis = Redis.from_url(self.redis_server.url, socket_timeout=5, socket_connect_timeout=2)
         self.replicas: list[VllmProcess] = []
@@ -590,6 +696,7 @@ class Run:
         self.outcomes: list[Outcome] = []
         self.refused_retried = 0  # connections refused by a killed kvgate, sent to the next one
         self.changes: list[Change] = []
+        self.ops_done: Counter[str] = Counter()  # every change command that succeeded, by kind
         self.change_failures: Counter[str] = Counter()
         self.faults: list[Fault] = []
         self.reseed_s: list[float] = []
@@ -600,6 +707,10 @@ class Run:
         }
         self.records = (work / "records.jsonl").open("w", buffering=1)
         self._sent = 0
+        self.issued = 0  # requests begun
+        self.enough = asyncio.Event()  # set once --requests requests were begun
+        self.fault_at = math.inf  # the next fault begins once this many requests were begun
+        self.fault_due = asyncio.Event()
         self.status_rtt_ms: list[float] = []
         self.exiting: set[asyncio.Task[tuple[bytes, bytes]]] = set()  # CLI processes that answered
         self.listing_rtt_ms: list[float] = []
@@ -614,9 +725,7 @@ class Run:
     async def kvgate(self, *args: str) -> dict[str, Any]:
         """A kvgate CLI command against this run's Redis and store: its ``--json`` answer, returned as
         soon as it is printed (right after the change), while the process may still be exiting."""
-        argv = kvgate_cli(
-            *args, "--json", "--redis-url", self.redis_server.url, "--store", str(self.store.root)
-        )
+        argv = kvgate_cli(*args, "--json", "--redis-url", self.redis_server.url, "--store", self.store)
         process = await asyncio.create_subprocess_exec(
             *argv,
             stdout=asyncio.subprocess.PIPE,
@@ -640,19 +749,28 @@ class Run:
         self.http = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         )
-        self.checker = Checker(self.http, self.store)
+        self.checker = Checker(self.http, self.copy_of)
+        s3 = stack.enter_context(s3_server(self.work / "s3.log"))
+        os.environ.update(s3.environment())  # every CLI command, agent and kvgate reads the store's AWS_*
+        self.store = f"s3://{s3.new_bucket()}/chaos"
         stack.push_async_callback(self.redis.aclose)
         stack.push_async_callback(self.redis_server.stop)
         await self.redis_server.start()
         self.redis_up.set()
         specs = [
             VllmReplicaSpec(self.args.vllm_python, self.args.fixture_dir / "model", free_port(),
-                            self.work / f"vllm-{i}.log", max_loras=8, max_cpu_loras=16)
+                            self.work / f"vllm-{i}.log", max_loras=8, max_cpu_loras=16,
+                            extra_args=kv_events_args())
             for i in (0, 1)
         ]  # fmt: skip
-        print(f"starting redis-server, two vLLM replicas and three kvgates (work folder {self.work}) ...")
+        print(
+            f"starting redis-server, an S3 server, two vLLM replicas with their agents and "
+            f"{self.args.kvgates} kvgates x {self.args.workers} workers (work folder {self.work}) ..."
+        )
         stack.push_async_callback(self._stop_replicas)
         self.replicas = await start_replicas(specs)
+        stack.push_async_callback(self._stop_agents)
+        agent_urls = [await self.start_agent(i, replica.url) for i, replica in enumerate(self.replicas)]
         versions = sorted(self.versions)
         for i in range(self.args.tenants):
             await self.kvgate("publish", f"tenant-{i}", str(self.adapter_dir(versions[i % len(versions)])))
@@ -662,13 +780,18 @@ class Run:
         self.bump_script = (await script.communicate())[0].decode()
         (self.work / "bump_epoch.lua").write_text(self.bump_script)
         stack.push_async_callback(self._stop_gateways)
-        for i in range(3):
+        agents = [
+            f"{r.url}={url}|{d}" for r, url, d in zip(self.replicas, agent_urls, self.agent_dirs, strict=True)
+        ]
+        for i in range(self.args.kvgates):
             argv = kvgate_cli(
                 "serve", *(a for r in self.replicas for a in ("--replica", r.url)),
-                "--redis-url", self.redis_server.url, "--store", str(self.store.root),
+                *(a for agent in agents for a in ("--replica-agents", agent)),
+                "--agent-token", AGENT_TOKEN,
+                "--redis-url", self.redis_server.url, "--store", self.store,
                 "--data-dir", str(self.work / f"kvgate-{i}"), "--port", str(free_port()),
                 "--drain-grace", str(DRAIN_GRACE_S), "--lease-ttl", "3", "--shutdown-timeout", "5",
-                "--expose-replica-urls", "--workers", "1",  # each kvgate one process, as before --workers
+                "--expose-replica-urls", "--workers", str(self.args.workers),
                 "--max-adapters-per-replica", str(self.args.budget),
                 "--canary-interval", str(self.args.canary_interval),
             )  # fmt: skip
@@ -679,6 +802,40 @@ class Run:
             state = await self.state(f"tenant-{i}")
             assert state is not None
             await self.propagation(f"tenant-{i}", state[0], state[1], state[2])
+
+    async def start_agent(self, index: int, replica_url: str) -> str:
+        """``kvgate agent`` for one replica, keeping versions in its own directory (which the replica, on
+        this machine, reads at the same path); its URL once it answers."""
+        assert self.http is not None
+        http = self.http
+        port, directory = free_port(), self.agent_dirs[index]
+        argv = kvgate_cli(
+            "agent", "--store", self.store, "--agent-dir", str(directory), "--agent-root", str(directory),
+            "--agent-replica", replica_url, "--agent-port", str(port), "--agent-token", AGENT_TOKEN,
+        )  # fmt: skip
+        child = Child(argv, self.work / f"agent-{index}.log")
+        self.agents.append(child)
+        await child.spawn()
+        url = f"http://127.0.0.1:{port}"
+
+        async def answers() -> bool:
+            if not child.running:
+                raise RuntimeError(f"kvgate agent {index} exited; see {child.log_path}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(f"{url}/healthz") as response:
+                    return response.status == 200
+            return False
+
+        await until(answers, 60, f"kvgate agent {index} answers")
+        return url
+
+    def copy_of(self, replica_url: str, digest: str) -> Path:
+        """The directory a replica loads a version from: its agent's copy."""
+        index = next(i for i, r in enumerate(self.replicas) if r.url == replica_url)
+        return self.agent_dirs[index] / digest
+
+    async def _stop_agents(self) -> None:
+        await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
 
     async def _stop_replicas(self) -> None:
         await asyncio.gather(*(r.stop() for r in self.replicas), return_exceptions=True)
@@ -695,6 +852,11 @@ class Run:
             shape = self.rng.choices(SHAPES, weights=[s.weight for s in SHAPES])[0]
             tenant, question = self.rng.randrange(self.args.tenants), self.rng.randrange(QUESTIONS)
             body = request_body(shape, tenant, question)
+            self.issued += 1
+            if self.issued >= self.args.requests:
+                self.enough.set()
+            if self.issued >= self.fault_at:
+                self.fault_due.set()
             out = await self.one(shape, body, question)
             if out.complete and out.version and out.replica:
                 self._sent += 1
@@ -745,16 +907,31 @@ class Run:
             return None
         return int(epoch), str(digest), int(updated or 0)
 
+    async def candidate(self, tenant: str) -> str | None:
+        """The digest of the tenant's rollout candidate, if one runs."""
+        raw = await self.redis.hget(keys.state(tenant), "cand_digest")
+        return raw.decode() if isinstance(raw, bytes) and raw else None
+
+    def next_version(self, digest: str) -> Path:
+        """The fixture's adapter version after the one with ``digest`` (cycling)."""
+        names = sorted(self.versions)
+        index = next((i for i, n in enumerate(names) if self.versions[n] == digest), -1)
+        return self.adapter_dir(names[(index + 1) % len(names)])
+
     async def change(self) -> None:
-        op = self.rng.choices([o for o, _ in CHANGE_OPS], weights=[w for _, w in CHANGE_OPS])[0]
         tenant = f"tenant-{self.rng.randrange(self.args.tenants)}"
+        op = next_op(self.rng, await self.candidate(tenant) is not None)
         started = time.time()
         before = await self.state(tenant)
         if op == "publish":
-            current = before[1] if before else ""
-            names = sorted(self.versions)
-            index = next((i for i, n in enumerate(names) if self.versions[n] == current), -1)
-            await self.kvgate("publish", tenant, str(self.adapter_dir(names[(index + 1) % len(names)])))
+            await self.kvgate("publish", tenant, str(self.next_version(before[1] if before else "")))
+        elif op == "rollout-start":
+            source = str(self.next_version(before[1] if before else ""))
+            await self.kvgate("rollout", tenant, source, "--percent", str(self.rng.choice((10, 25, 50))))
+        elif op == "rollout-raise":
+            await self.kvgate("rollout", tenant, "--percent", str(self.rng.choice((50, 75, 90))))
+        elif op in ("promote", "abort"):
+            await self.kvgate(op, tenant)
         elif op == "rollback":
             await self.kvgate("rollback", tenant)
         elif op == "bump-cli":
@@ -772,6 +949,7 @@ class Run:
             out, _ = await process.communicate()
             if process.returncode != 0 or not out.startswith(b"1\n"):
                 raise ChangeFailed(f"redis-cli --eval: {out.decode().strip()[:100]}")
+        self.ops_done[op] += 1
         after = await self.state(tenant)
         if after is None or after[:2] == (before[:2] if before else None):
             return  # unchanged (the same version again)
@@ -856,7 +1034,26 @@ class Run:
 
     async def inject(self, kind: str) -> None:
         assert self.http is not None
-        if kind == "kill-kvgate":
+        http = self.http
+        if kind == "kill-worker":
+            gateway = self.rng.choice([g for g in self.gateways if g.up])
+            victim = self.rng.choice(gateway.workers())
+            async with self.fault(kind, f"kvgate-{gateway.index} worker {victim}") as fault:
+                os.kill(victim, signal.SIGKILL)
+                started = time.monotonic()
+
+                async def replaced() -> bool:
+                    now = gateway.workers()
+                    whole = len(now) == self.args.workers and victim not in now
+                    return whole and await gateway.healthy(http)
+
+                await until(
+                    replaced, READY_S, f"kvgate {gateway.index} has {self.args.workers} workers again"
+                )
+                fault.note = (
+                    f"(its parent started another worker; healthy {time.monotonic() - started:.1f} s after)"
+                )
+        elif kind == "kill-kvgate":
             gateway = self.rng.choice(self.gateways)
             async with self.fault(kind, f"kvgate-{gateway.index}"):
                 await gateway.kill9()
@@ -924,10 +1121,12 @@ class Run:
                 return False
         return True
 
-    async def faults_on_schedule(self, plan: list[str], duration: float) -> None:
-        for k, kind in enumerate(plan):
-            at = self.t0 + duration * (0.08 + 0.8 * k / max(1, len(plan) - 1))
-            await asyncio.sleep(max(0.0, at - time.time()))
+    async def faults_on_schedule(self, plan: list[str]) -> None:
+        for kind, at in zip(plan, fault_points(plan, self.args.requests), strict=True):
+            self.fault_at = at
+            self.fault_due.clear()
+            if self.issued < at:
+                await self.fault_due.wait()
             try:
                 await self.inject(kind)
             except Exception as exc:  # a fault that does not recover is a finding, not a crash
@@ -938,25 +1137,36 @@ class Run:
     # --- the whole run ---
 
     async def run(self) -> None:
-        minutes = self.args.minutes
-        duration = minutes * 60
+        requests = self.args.requests
         self.t0 = time.time()
-        print(f"running {minutes:g} min of traffic ({self.args.concurrency} clients), changes and faults ...")
+        print(f"running {requests} requests ({self.args.concurrency} clients), changes and faults ...")
         workers = [asyncio.create_task(self.traffic(i)) for i in range(self.args.concurrency)]
         changer = asyncio.create_task(self.change_forever())
         sampler = asyncio.create_task(self.sample_listings())
-        plan = fault_plan(minutes)
-        faults = asyncio.create_task(self.faults_on_schedule(plan, duration))
+        progress = asyncio.create_task(self.progress())
+        faults = asyncio.create_task(self.faults_on_schedule(fault_plan(requests)))
         try:
-            await asyncio.sleep(duration)
+            await self.enough.wait()
             await faults  # every fault in the plan runs, and recovers, before the traffic stops
         finally:
             self.stop.set()
-            await asyncio.gather(*workers, changer, sampler, *self.exiting, return_exceptions=True)
+            progress.cancel()
+            await asyncio.gather(*workers, changer, sampler, progress, *self.exiting, return_exceptions=True)
             faults.cancel()
             await asyncio.gather(faults, return_exceptions=True)
         self.t1 = time.time()
         await self.scrape_metrics()
+
+    async def progress(self) -> None:
+        """A line a minute: how far the run is."""
+        while True:
+            await asyncio.sleep(60)
+            done = sum(o.complete for o in self.outcomes)
+            print(
+                f"  [{time.time() - self.t0:6.1f}s] {self.issued} requests begun, {done} complete, "
+                f"{sum(o.check == 'checked' for o in self.outcomes)} recomputed, {len(self.faults)} faults",
+                flush=True,
+            )
 
     async def scrape_metrics(self) -> None:
         """Counters from the kvgates alive at the end (a killed kvgate's counts died with it)."""
@@ -968,6 +1178,12 @@ class Run:
             "kvgate_quarantines": "reason",
             "kvgate_audit_verdicts": "verdict",
             "kvgate_table_reseeded_versions": "outcome",
+            "kvgate_token_checks": "result",
+            "kvgate_prefix_claimed_tokens": "",
+            "kvgate_prefix_confirmed_tokens": "",
+            "kvgate_agent_fetches": "outcome",
+            "kvgate_rollout_gate_aborts": "reason",
+            "kvgate_worker_restarts": "",
         }
         totals: dict[str, Counter[str]] = {name: Counter() for name in wanted}
         for gateway in self.gateways:
@@ -1014,6 +1230,8 @@ def cut_cause(out: Outcome, run: Run) -> str:
             continue
         if fault.kind == "kill-kvgate" and fault.target == f"kvgate-{out.gateway}":
             return "its kvgate was killed (kill -9)"
+        if fault.kind == "kill-worker" and fault.target.startswith(f"kvgate-{out.gateway} "):
+            return "a worker of its kvgate was killed (kill -9; perhaps the one serving it)"
         if fault.kind == "restart-vllm" and fault.target == out.replica:
             return "its vLLM replica was restarted"
     return "unexplained (an unload?)"
@@ -1041,6 +1259,7 @@ def report(run: Run) -> str:
         )
     ]
     incoherent = [o for o in outs if o.verdict == "incoherent"]
+    ties = [o for o in outs if o.verdict == "tie"]
     errors: Counter[str] = Counter()
     samples: dict[str, str] = {}
     for o in outs:
@@ -1075,23 +1294,41 @@ def report(run: Run) -> str:
         1 for o in ok if o.version and o.digest and o.version.partition("@")[2] != o.digest[:16]
     )
     by_replica = Counter(o.replica for o in ok)
+    matches = Counter((o.match or "none").partition(":")[0] for o in ok)
+    matched = sum(1 for o in ok if (o.match or "").partition(":")[2] not in ("", "0"))
+    roles = Counter(o.role for o in ok if o.role)
     minutes = (run.t1 - run.t0) / 60
+    a = run.args
     lines = [
-        f"Seed {run.args.seed}; {minutes:.1f} minutes of traffic, "
-        f"{run.args.concurrency} concurrent clients, {run.args.tenants} tenants, 3 kvgates, "
-        "2 vLLM CPU replicas.",
+        f"Seed {a.seed}; {len(outs)} requests in {minutes:.1f} minutes "
+        f"({len(outs) / max(1.0, run.t1 - run.t0):.1f}/s), {a.concurrency} concurrent clients, {a.tenants} "
+        f"tenants, {a.kvgates} kvgates x {a.workers} workers (default routing), 2 vLLM CPU replicas "
+        "publishing KV events, adapters in an S3 object store (moto) fetched by one agent per replica.",
         "",
         "| figure | value | target |",
         "| --- | ---: | ---: |",
-        f"| requests | {len(outs)} ({streams} streaming) | |",
+        f"| requests | {len(outs)} ({streams} streaming) | ≥ {a.requests} |",
         f"| complete answers | {len(ok)} | |",
         f"| version or epoch changes | {len(run.changes)} | ≥ 50 |",
         f"| faults injected | {len(run.faults)}: "
         + ", ".join(f"{k} x{faults[k]}" for k in FAULT_KINDS)
         + " | every kind ≥ 1 |",
+        f"| faults that did not recover within their bound | "
+        f"{sum('DID NOT RECOVER' in f.note for f in run.faults)} | 0 |",
         f"| answers recomputed cold on their replica | {sampled} of {len(ok)} "
         f"(1 in {run.args.sample_every} sampled) | ≥ 1 in 5 |",
+        f"| answers judged (recomputed cold on their replica and compared) | {len(checked)} | |",
+        f"| sampled, not judged (the cold run failed; why below) | {sum(not_recomputable.values())} | |",
         f"| incoherent answers | {len(incoherent)} | 0 |",
+        f"| judged a near-tie flipped by noise within the tolerance (same tokens up to it; see below) | "
+        f"{len(ties)} | |",
+        f"| complete answers routed on matched cached blocks (`x-kvgate-prefix-match` > 0); every "
+        f"complete answer by the index that decided it | {matched}; "
+        + ", ".join(f"{k} {n}" for k, n in sorted(matches.items()))
+        + " | |",
+        "| complete answers while a rollout ran, by the version's role | "
+        + (", ".join(f"{k} {n}" for k, n in sorted(roles.items())) or "none")
+        + " | both |",
         f"| hung requests (no answer in {DEADLINE_S:.0f} s) | {hung} | 0 |",
         f"| answers (streaming) still running {DRAIN_GRACE_S:g} s (the drain grace) after every kvgate saw "
         f"their version retired, and finished | {sum(o.complete for o in retired)} of {len(retired)} "
@@ -1135,6 +1372,9 @@ def report(run: Run) -> str:
         + (", ".join(f"{_cell(k)} x{n}" for k, n in calibration_failures.items()) or "none")
         + ".",
         "",
+        _divergences("Near-ties flipped", [(o.diverges_at, o.prefix_diff or 0.0) for o in ties])
+        + (f" Largest tie gap {max(o.tie_gap or 0.0 for o in ties):.2g}." if ties else ""),
+        "",
         _divergences(
             "Nondeterministic answers", [(o.diverges_at, o.prefix_diff or 0.0) for o in nondeterministic]
         ),
@@ -1147,7 +1387,9 @@ def report(run: Run) -> str:
         + ", ".join(f"{r}: {n}" for r, n in sorted(by_replica.items()))
         + ".",
         "",
-        "Changes by kind: "
+        "Commands that succeeded, by kind: "
+        + ", ".join(f"{op} {n}" for op, n in sorted(run.ops_done.items()))
+        + ". Version or epoch changes, by kind: "
         + ", ".join(f"{op} {n}" for op, n in sorted(Counter(c.op for c in run.changes).items()))
         + ". Changes refused: "
         + (", ".join(f"{reason} x{n}" for reason, n in run.change_failures.items()) or "none")
@@ -1195,7 +1437,8 @@ def report(run: Run) -> str:
             f"- {o.version} on {o.replica} via kvgate-{o.gateway}, {o.shape}, epoch {o.epoch}: first differs "
             f"from the cold run at token {o.diverges_at}, max |dlogprob| before it "
             f"{o.prefix_diff or 0.0:.2g}, "
-            f"to the closest cold run {o.max_diff:.2g}"
+            f"to the closest cold run {o.max_diff:.2g}, tie gap "
+            f"{'-' if o.tie_gap is None else format(o.tie_gap, '.2g')}"
             for o in incoherent[:10]
         ]
     return "\n".join(lines)
@@ -1241,6 +1484,21 @@ def write_section(path: Path, body: str, title: str) -> None:
     path.write_text(generated_docs.with_block(text, block))
 
 
+def failures(outcomes: Sequence[Outcome], faults: Sequence[Fault]) -> list[str]:
+    """Why the run fails (judged outcomes: after ``judge``): an incoherent answer, a fault kind that never
+    ran, or no answer judged at all."""
+    found = []
+    incoherent = sum(o.verdict == "incoherent" for o in outcomes)
+    if incoherent:
+        found.append(f"{incoherent} incoherent answers")
+    missing = sorted(set(FAULT_KINDS) - {f.kind for f in faults})
+    if missing:
+        found.append(f"fault kinds never injected: {', '.join(missing)}")
+    if not any(o.check == "checked" for o in outcomes):
+        found.append("no answer was judged")
+    return found
+
+
 async def main_async(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvgate-chaos-"))
     run = Run(args, work)
@@ -1253,8 +1511,11 @@ async def main_async(args: argparse.Namespace) -> int:
         records.writelines(json.dumps(asdict(out)) + "\n" for out in run.outcomes)
     write_section(args.out, body, "Results")
     print(body)
-    print(f"\nrecords, logs and the store: {work}")
-    return 0
+    print(f"\nrecords and logs: {work}")
+    failed = failures(run.outcomes, run.faults)
+    for reason in failed:
+        print(f"FAILED: {reason}")
+    return 1 if failed else 0
 
 
 def main() -> None:
@@ -1262,11 +1523,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", type=Path, required=True)
     parser.add_argument("--fixture-dir", type=Path, required=True)
-    parser.add_argument("--minutes", type=float, default=10.0, help="minutes of traffic (faults included)")
-    parser.add_argument("--concurrency", type=int, default=6, help="concurrent clients")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=10_000,
+        help="requests to send (traffic goes on until every fault recovered)",
+    )
+    parser.add_argument("--kvgates", type=int, default=2, help="kvgate serve processes")
+    parser.add_argument("--workers", type=int, default=2, help="each kvgate's --workers")
+    parser.add_argument("--concurrency", type=int, default=12, help="concurrent clients")
     parser.add_argument("--tenants", type=int, default=4)
-    parser.add_argument("--sample-every", type=int, default=3, help="recompute one complete answer in N")
-    parser.add_argument("--change-interval", type=float, default=2.0, help="mean seconds between changes")
+    parser.add_argument("--sample-every", type=int, default=5, help="recompute one complete answer in N")
+    parser.add_argument("--change-interval", type=float, default=5.0, help="mean seconds between changes")
     parser.add_argument("--budget", type=int, default=6, help="kvgate's --max-adapters-per-replica")
     parser.add_argument("--canary-interval", type=float, default=0.0, help="kvgate's canary (0: off)")
     parser.add_argument("--seed", type=int, default=1)
