@@ -8,32 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from gateway.kv.prompt_tokens import CUT_MARGIN, MAX_CHARS, PromptTokens, Unrendered, Whole
-
-TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from tests.support.tiny_tokenizer import write_tiny_model
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|bos|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))]
-    )
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "chat_template": TEMPLATE})
-    )
-    return tmp_path
+    return write_tiny_model(tmp_path)
 
 
 def test_completions_get_special_tokens_and_chat_is_rendered_without_adding_them(model_dir: Path) -> None:
