@@ -140,6 +140,12 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
             chunks, broke = await stream
             assert (chunks, broke) == (STREAM_TOKENS, False), "B's stream ran to its end while A retired v1"
 
+            async def v1_gone() -> bool:
+                return v1["name"] not in await loaded(http, replica)
+
+            # A unloads v1 once B's lease on it ends: done before the engine is paused again, or that
+            # unload would wait on the paused engine and hold A's sweep
+            await eventually(v1_gone, "A unloads the retired v1 once B's stream ended", within=60)
             second = asyncio.Event()  # now B streams on v2, v1 comes back, and B dies mid-stream
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, second))
             await asyncio.wait_for(second.wait(), 60)
