@@ -207,12 +207,12 @@ async def serve(settings: Settings, tracing: TracerProvider | None, place: Worke
             settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings
         )
         log = logging.getLogger("gateway")
-        api = running(app, settings.host, settings.port, sock=place.api if place else None)
-        log.info("kvgate listening on %s", await listeners.enter_async_context(api))
-        if ADMIN_LISTENER in app:
+        if ADMIN_LISTENER in app:  # first: once /healthz answers on the API listener, every listener is up
             sock = place.admin if place else None
             admin = running(app[ADMIN_LISTENER], settings.admin_host, settings.admin_port, sock=sock)
             log.info("admin listener on %s", await listeners.enter_async_context(admin))
+        api = running(app, settings.host, settings.port, sock=place.api if place else None)
+        log.info("kvgate listening on %s", await listeners.enter_async_context(api))
         if place is not None:
             place.siblings.track(app[METRICS])
             views = place.siblings.serving(app[METRICS].exposition, lambda: local_health(app), supervisor)

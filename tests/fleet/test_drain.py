@@ -112,10 +112,9 @@ async def test_a_replica_that_answers_500_as_it_stops_is_retried_elsewhere_or_a_
         url = await stack.enter_async_context(running(build_app(settings, redis)))
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
             if others:
-                for attempt in range(20):  # until the stopping replica met one (it is marked down then)
-                    done = await api.completions.create(
-                        model="base", prompt=f"{PROMPT} {attempt}", max_tokens=1
-                    )
+                for attempt in range(20):  # until the stopping replica met one (it is marked down then):
+                    prompt = f"{attempt} {PROMPT} " * 20  # its first block differs, and so the tie's winner
+                    done = await api.completions.create(model="base", prompt=prompt, max_tokens=1)
                     assert done.choices, "answered, the one it met too: by the other replica"
                     if answered:
                         break

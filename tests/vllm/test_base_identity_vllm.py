@@ -40,7 +40,6 @@ from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
 
 SERVES_WITHIN_S = 60.0
-VLLM_STOPPING = "cannot schedule new futures after shutdown"  # vLLM 0.32's 500 as it stops
 """A kvgate started (or restarted) under load serves every version on both replicas within this: one
 poll, two cold probes per replica and, for a print that differs, the confirming ones (docs/architecture.md
 states the same bound)."""
@@ -51,9 +50,14 @@ UNREADABLE = "base=/nonexistent/kvgate-base"  # kvgate cannot read the bytes: th
 
 
 @contextlib.asynccontextmanager
-async def base_load(http: aiohttp.ClientSession, urls: list[str]) -> AsyncIterator[list[int]]:
+async def base_load(
+    http: aiohttp.ClientSession, urls: list[str], stopping: set[str]
+) -> AsyncIterator[list[int]]:
     """Greedy base completions of 5-300 words, ``CLIENTS`` at a time, spread over ``urls``, until the
-    block ends; yields the count of answers so far (a list of one, so that it moves)."""
+    block ends; yields the count of answers so far (a list of one, so that it moves). A replica in
+    ``stopping`` (the last phase) may answer 500: vLLM 0.32 refuses what arrives as it shuts down, with
+    "cannot schedule new futures after shutdown" or "EngineCore encountered an issue" (its engine process
+    stopped first), both seen in full runs."""
     answered = [0]
 
     async def client(url: str, seed: int) -> None:
@@ -64,8 +68,8 @@ async def base_load(http: aiohttp.ClientSession, urls: list[str]) -> AsyncIterat
             try:
                 async with http.post(f"{url}/v1/completions", json=body) as response:
                     text = await response.text()
-                    if response.status == 500 and VLLM_STOPPING in text:  # its replica is stopping (the
-                        continue  # last phase): vLLM's engine refuses what arrives as it shuts down
+                    if response.status == 500 and url in stopping:
+                        continue
                     assert response.status == 200, text
                     answered[0] += 1
             except aiohttp.ClientConnectionError:  # its replica is restarting (the last phase): retry
@@ -100,7 +104,8 @@ async def test_two_replicas_of_one_directory_are_one_base_under_load(
 ) -> None:
     urls = [replica.url for replica in vllm_replicas]
     floor = Settings().base_print_tolerance
-    async with base_load(http, urls) as answered:
+    stopping: set[str] = set()
+    async with base_load(http, urls, stopping) as answered:
         await eventually(lambda: answered[0] >= CLIENTS, "the load runs", 120)
         prints: list[base_print.BasePrint] = []
         for _ in range(PRINTS_EACH):
@@ -146,9 +151,11 @@ async def test_two_replicas_of_one_directory_are_one_base_under_load(
                 served = functools.partial(tenant_served_on, http, gateway.url, url)
                 await eventually(served, f"the tenant served on {url}", SERVES_WITHIN_S)
             stopped = vllm_replicas[1]
+            stopping.add(stopped.url)
             await stopped.stop()
             vllm_replicas[1] = VllmProcess(stopped.spec)  # the session fixture stops this one at its end
             await vllm_replicas[1].start()
+            stopping.discard(stopped.url)
             began = time.monotonic()
             served = functools.partial(tenant_served_on, http, gateway.url, urls[1])
             await eventually(served, f"the tenant served on {urls[1]} again, restarted", SERVES_WITHIN_S)
