@@ -223,6 +223,8 @@ def least_loaded(candidates: Sequence[R], tie: bytes) -> R:
     """The least-loaded replica; ties go to the one with fewer adapters loaded, then to the rendezvous
     hash of ``tie`` (the first block key, or the logical ID) and the replica: every kvgate process breaks
     a tie the same way for the same prompt, where list order sent every first sight to one replica."""
+    if len(candidates) == 1:  # alone: nothing to weigh (the one-replica fleet's every request)
+        return candidates[0]
     busiest = max(r.in_flight for r in candidates)
     return max(candidates, key=lambda r: (load_score(r, busiest), -r.adapter_count, _rendezvous(tie, r)))
 

@@ -13,11 +13,10 @@ client has no pool limit of its own, so its connect timeout measures connecting,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -139,30 +138,43 @@ class Replica:
                 del self.in_flight_by_name[name]
             self.last_used[name] = time.monotonic()
 
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[None]:
-        """Hold one of this replica's connection slots (none to hold without a limit)."""
-        if self.slots is None:
-            yield
-            return
-        try:
-            if self.slots.locked():  # none free: wait, for at most pool_wait
-                async with asyncio.timeout(self.pool_wait):
-                    await self.slots.acquire()
-            else:
-                await self.slots.acquire()  # one is free: taken at once, no timer armed
-        except TimeoutError:
-            raise ReplicaBusy(
-                f"kvgate waited {self.pool_wait:g} s for a free connection to replica {self.url}: all "
-                f"{self.max_connections} are in use (max_connections_per_replica); retry later"
-            ) from None
-        try:
-            yield
-        finally:
-            self.slots.release()
+    def connection(self) -> Slot:
+        """Hold one of this replica's connection slots (none to hold without a limit): ``async with``."""
+        return Slot(self)
 
     def __repr__(self) -> str:
         return f"Replica({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+class Slot:
+    """One of a replica's connection slots, held for an ``async with`` (``Replica.connection``): taken at
+    once when one is free (no timer armed), else waited for at most ``pool_wait`` (then ``ReplicaBusy``)."""
+
+    __slots__ = ("replica",)
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    async def __aenter__(self) -> None:
+        replica = self.replica
+        slots = replica.slots
+        if slots is None:
+            return
+        try:
+            if slots.locked():  # none free: wait, for at most pool_wait
+                async with asyncio.timeout(replica.pool_wait):
+                    await slots.acquire()
+            else:
+                await slots.acquire()  # one is free: taken at once, no timer armed
+        except TimeoutError:
+            raise ReplicaBusy(
+                f"kvgate waited {replica.pool_wait:g} s for a free connection to replica {replica.url}: all "
+                f"{replica.max_connections} are in use (max_connections_per_replica); retry later"
+            ) from None
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.replica.slots is not None:
+            self.replica.slots.release()
 
 
 class ReplicaPool:

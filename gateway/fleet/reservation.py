@@ -27,7 +27,7 @@ class Reservation:
         self._live = True
 
     @classmethod
-    async def take(cls, replica: Replica, name: str | None, leases: Leases) -> Reservation:
+    def take(cls, replica: Replica, name: str | None, leases: Leases) -> Reservation:
         """Count one request on ``name`` (None: the base model) at ``replica``, here and fleet-wide;
         ``VersionUnloading`` (nothing held) while that name is being unloaded there."""
         if name is not None and name in replica.unloading:

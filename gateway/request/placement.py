@@ -51,7 +51,7 @@ class Placement:
         while True:
             decision = self.scheduler.decide(self.pool.replicas, target, pin=pin_url, room=self.room)
             try:
-                reservation = await Reservation.take(decision.replica, name, self.leases)
+                reservation = Reservation.take(decision.replica, name, self.leases)
             except VersionUnloading:
                 if time.monotonic() > deadline:
                     raise

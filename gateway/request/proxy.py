@@ -310,7 +310,7 @@ class Proxy:
             decision,
         )
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
-        with relay.upstream_errors(there):
+        with relay.UpstreamErrors(there):
             async with replica.connection():
                 if (body is None or isinstance(body, bytes)) and self.upstream.serves(replica.url):
                     answer = await self.upstream.request(route.method, replica.url, path, body, headers)

@@ -3,7 +3,7 @@
 Coming out, the versioned name is rewritten back to the logical ID in the body and in every SSE line
 (as bytes, no JSON parse; in an error body, wherever it appears: a client never sees a versioned
 name it did not send), the evidence headers say which effective model answered, and the backend's
-``usage`` numbers go to metrics and the span. ``upstream_errors`` is the one place upstream client errors
+``usage`` numbers go to metrics and the span. ``UpstreamErrors`` is the one place upstream client errors
 become kvgate errors.
 
 Writing to the client and reading from the replica fail apart: a write to a client that left raises
@@ -13,12 +13,11 @@ blamed and nothing is retried), while a broken upstream read ends the stream wit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import aiohttp
@@ -325,16 +324,23 @@ def transform(data: bytes, rewrite: Rewrite | None, usage: Usage) -> bytes:
     return rewrite.apply(data) if rewrite is not None else data
 
 
-@contextlib.contextmanager
-def upstream_errors(replica_url: str) -> Iterator[None]:
+class UpstreamErrors:
     """The one place upstream client errors become kvgate errors (``replica_url``: the replica's name in
-    responses, its id unless ``expose_replica_urls``)."""
-    try:
-        yield
-    except KvgateError:
-        raise
-    except TimeoutError as exc:
-        raise BackendTimeout(f"replica {replica_url} timed out") from exc
-    except aiohttp.ClientError as exc:  # aiohttp's words (an address, its internals) go to the log only
-        log.warning("replica %s is unreachable: %r", replica_url, exc)
-        raise BackendUnreachable(f"replica {replica_url} is unreachable") from exc
+    responses, its id unless ``expose_replica_urls``). A class, not a generator: it is on every request."""
+
+    __slots__ = ("replica_url",)
+
+    def __init__(self, replica_url: str) -> None:
+        self.replica_url = replica_url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, KvgateError):
+            return
+        if isinstance(exc, TimeoutError):
+            raise BackendTimeout(f"replica {self.replica_url} timed out") from exc
+        if isinstance(exc, aiohttp.ClientError):  # aiohttp's words (an address, its internals): the log only
+            log.warning("replica %s is unreachable: %r", self.replica_url, exc)
+            raise BackendUnreachable(f"replica {self.replica_url} is unreachable") from exc

@@ -7,7 +7,7 @@ one request per kept-alive connection at a time, a JSON body (or none) written a
 body as the chunks that arrive (a stream is relayed, never buffered), ``connect_timeout`` on the TCP
 connect and ``read_timeout`` between received bytes. Its failures are aiohttp's exception classes
 (``aiohttp.ClientConnectionError``, ``aiohttp.ClientPayloadError``) and ``TimeoutError``, so
-``relay.upstream_errors`` maps them as before. Multipart and very large bodies still go through aiohttp's
+``relay.UpstreamErrors`` maps them as before. Multipart and very large bodies still go through aiohttp's
 client (``proxy``): they are rare and aiohttp streams them.
 
 ``close`` aborts a response (the client left): its connection closes, so the replica stops generating.
@@ -105,6 +105,8 @@ class Answer(asyncio.Protocol):
 
     async def read(self) -> bytes:
         """The whole body (kept: a second read gives it again)."""
+        if self.body is None and self.complete and len(self.pending) == 1 and not self.paused:
+            self.body, self.pending, self.buffered = self.pending[0], [], 0  # all in: the common answer
         if self.body is None:
             parts = [chunk async for chunk in self.chunks()]
             self.body = parts[0] if len(parts) == 1 else b"".join(parts)

@@ -105,19 +105,22 @@ async def test_a_replica_that_answers_500_as_it_stops_is_retried_elsewhere_or_a_
     while it stopped, relayed as it was: a request that meets a replica going down goes to another one,
     or gets a 503 that says so."""
     answered: list[int] = []
+    held = asyncio.Event()  # a stream on the healthy replica holds it busy: the next request is the other's
     async with contextlib.AsyncExitStack() as stack:
         stopping = await stack.enter_async_context(running(going_down(StubState(), answered)))
-        healthy = [await stack.enter_async_context(running(build_stub(StubState()))) for _ in range(others)]
+        healthy = [await stack.enter_async_context(running(build_stub(StubState(hold=held))))
+                   for _ in range(others)]  # fmt: skip
         settings = Settings(replicas=[stopping, *healthy], data_dir=tmp_path, poll_interval=60.0)
         url = await stack.enter_async_context(running(build_app(settings, redis)))
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
-            if others:
-                for attempt in range(20):  # until the stopping replica met one (it is marked down then):
-                    prompt = f"{attempt} {PROMPT} " * 20  # its first block differs, and so the tie's winner
-                    done = await api.completions.create(model="base", prompt=prompt, max_tokens=1)
-                    assert done.choices, "answered, the one it met too: by the other replica"
-                    if answered:
-                        break
+            if others:  # the stream meets the stopping replica (retried on the healthy one), or the next does
+                stream = await api.completions.create(model="base", prompt=PROMPT, max_tokens=4, stream=True)
+                assert (await anext(aiter(stream))).choices, "its first chunk, from the healthy replica"
+                if not answered:
+                    done = await api.completions.create(model="base", prompt=PROMPT, max_tokens=1)
+                    assert done.choices, "answered, after the stopping replica's 500: by the other replica"
+                held.set()
+                assert [chunk async for chunk in stream], "the rest of the stream"
             else:
                 with pytest.raises(openai.APIStatusError) as refused:
                     await api.completions.create(model="base", prompt=PROMPT, max_tokens=1)

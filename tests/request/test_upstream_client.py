@@ -1,6 +1,6 @@
 """``request.upstream``: the forward's httptools client against the stub replica (a real aiohttp server):
 kept-alive reuse, chunked SSE as received chunks, the between-bytes timeout, an abort, an unreachable
-replica, each as aiohttp's exception classes (``relay.upstream_errors`` maps them)."""
+replica, each as aiohttp's exception classes (``relay.UpstreamErrors`` maps them)."""
 
 from __future__ import annotations
 

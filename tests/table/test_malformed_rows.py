@@ -8,6 +8,7 @@ are not UTF-8. The real scripts and the real follower run on the session's redis
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -92,20 +93,25 @@ async def test_staleness_grows_while_the_follower_has_not_applied_the_newest_ent
     await publish(table, D1)
     sync = SnapshotSync(table, Snapshot(), interval=0.1)
     await sync.reconcile()
+    first = time.monotonic()
     await sync.heartbeat()
-    assert sync.snapshot.staleness() < 0.2
+    assert sync.snapshot.refreshed_at >= first, "current as of the first heartbeat"
     await publish(table, D2)  # a change the follower (not running here) has not applied
     await asyncio.sleep(0.3)
+    second = time.monotonic()
     await sync.heartbeat()
+    assert sync.snapshot.refreshed_at < second, "not current as of a heartbeat it has not caught up with"
     assert sync.snapshot.staleness() >= 0.3
     sync.log.table = table
     entries = await sync.log.read(sync.snapshot.position, block_ms=100)
+    assert entries, "the change it had not applied"
     for entry in entries:
         sync._apply(entry)
     sync._applied()
-    assert sync.snapshot.staleness() < 0.3, "current as of the heartbeat whose newest entry it applied"
+    assert sync.snapshot.refreshed_at >= second, "current as of the heartbeat whose newest entry it applied"
+    third = time.monotonic()
     await sync.heartbeat()
-    assert sync.snapshot.staleness() < 0.1
+    assert sync.snapshot.refreshed_at >= third
 
 
 async def test_a_malformed_state_row_is_left_out_of_the_full_read_and_reported(
