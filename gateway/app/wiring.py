@@ -134,8 +134,12 @@ def build_app(
     # Handlers read `app`'s components (not `request.app`): the admin listener's app serves them too.
     def proxy_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
-            with app[DRAIN].request():
+            drain = app[DRAIN]
+            drain.begin()
+            try:
                 return await app[PROXY].handle(request, route)
+            finally:
+                drain.end()
 
         return handler
 

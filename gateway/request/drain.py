@@ -4,9 +4,7 @@ requests already running finish (up to ``shutdown_timeout``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Iterator
 
 from gateway.core.errors import ShuttingDown
 
@@ -20,19 +18,17 @@ class Drain:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Count one request while it runs; refused once draining."""
+    def begin(self) -> None:
+        """Count one request while it runs (``end`` once it has); refused once draining."""
         if self.draining:
             raise ShuttingDown("kvgate is shutting down: send the request to another kvgate")
         self.active += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if not self.active:
-                self._idle.set()
+
+    def end(self) -> None:
+        self.active -= 1
+        if not self.active:
+            self._idle.set()
 
     async def drain(self, within: float) -> bool:
         """Refuse new requests and wait for the running ones; False if some were still running."""
