@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -17,7 +18,7 @@ from gateway.app.keys import (
     BASE_PRINTS,
     CALLERS,
     GATE,
-    KV_FOLLOWERS,
+    KV_INDEX_FD,
     LEASES,
     LOADER,
     METRICS,
@@ -34,7 +35,8 @@ from gateway.app.keys import (
     VERDICTS,
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
-from gateway.kv.follower import follow_events
+from gateway.kv.indexer import page_path
+from gateway.process.indexer import kept_indexer
 from gateway.proof.canary import Canary
 from gateway.proof.gate import Gate, GateRules
 from gateway.table.callers import CallerSync, CallerTable
@@ -126,9 +128,22 @@ async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
 
 
 async def kv_followers(app: web.Application) -> AsyncIterator[None]:
-    precise, endpoints = app.get(PRECISE_INDEX), app[SETTINGS].kv_event_endpoints
-    followers = follow_events(endpoints, app[POOL], precise, app[METRICS], app.get(PURGER), app[SUPERVISOR])
-    async with followers as app[KV_FOLLOWERS]:
+    """The KV indexer (``kv.indexer``, its own process) while this process owns the shared table (one
+    process; with --workers the parent keeps it); a purge kvgate makes empties that replica's view."""
+    reader = app.get(PRECISE_INDEX)
+    if reader is None:
+        yield
+        return
+    if PURGER in app:
+        app[PURGER].on_purged = lambda replica: reader.purged(replica.url)
+    if reader.owner() != os.getpid():  # a worker: its parent keeps the indexer
+        yield
+        return
+    settings = app[SETTINGS]
+    async with kept_indexer(
+        app[KV_INDEX_FD], settings.replicas, settings.kv_event_endpoints, settings.precise_index_entries,
+        page_path(settings.data_dir, os.getpid()), failure_limit=settings.background_failure_limit,
+    ):  # fmt: skip
         yield
 
 

@@ -14,8 +14,7 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.follower import KvFollower
-from gateway.kv.index import PreciseIndex
+from gateway.kv.shared_index import SharedReader
 from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin
@@ -51,7 +50,7 @@ AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
-PRECISE_INDEX = web.AppKey("precise_index", PreciseIndex)  # with kv_events on: the KV followers feed it
-KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
+PRECISE_INDEX = web.AppKey("precise_index", SharedReader)  # kv_events on: the KV indexer's shared table
+KV_INDEX_FD = web.AppKey("kv_index_fd", int)  # the shared table's file; with --workers, the parent's
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
 GATE = web.AppKey("gate", Gate)

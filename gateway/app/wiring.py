@@ -15,7 +15,9 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
@@ -35,7 +37,7 @@ from gateway.app.keys import (
     CALLERS,
     DRAIN,
     GATE,
-    KV_FOLLOWERS,
+    KV_INDEX_FD,
     LEASES,
     LOADER,
     METRICS,
@@ -63,7 +65,9 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.follower import STATES, followers_health, precise_parts
+from gateway.kv.follower import precise_parts
+from gateway.kv.indexer import page_path
+from gateway.kv.shared_index import SharedReader, SharedRegion, create, events_health, indexer_health
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
@@ -84,6 +88,7 @@ from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot
 from gateway.tasks.supervisor import Supervisor
+from gateway.telemetry.merge import merge_pages
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -98,6 +103,7 @@ def build_app(
     metrics: Metrics | None = None,
     supervisor: Supervisor | None = None,
     siblings: Siblings | None = None,
+    kv_index_fd: int | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -123,6 +129,8 @@ def build_app(
     app[DRAIN] = Drain()
     if siblings is not None:
         app[SIBLINGS] = siblings
+    if kv_index_fd is not None:  # a worker: the parent made the shared KV index and keeps its indexer
+        app[KV_INDEX_FD] = kv_index_fd
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     for component in (_components, *background.TASKS):
@@ -148,6 +156,10 @@ def build_app(
         body = app[METRICS].exposition()
         if SIBLINGS in app:
             body = app[SIBLINGS].metrics(body)
+        if PRECISE_INDEX in app:  # the KV indexer's page (its counters), once whichever worker answers
+            with contextlib.suppress(OSError):
+                page = page_path(app[SETTINGS].data_dir, app[PRECISE_INDEX].owner()).read_bytes()
+                body = merge_pages([body, page])
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
@@ -219,11 +231,12 @@ def local_health(app: web.Application) -> Health:
             unready.append(why)
     failing = add_tasks(views, app[SUPERVISOR])  # a task that keeps failing: its state no longer moves
     unready += [f"background task {name} keeps failing" for name in failing]
-    followers = app.get(KV_FOLLOWERS, {})
-    states = [follower.state()[0] for follower in followers.values()]
-    counts = {"streams": len(followers), **{state: states.count(state) for state in STATES}}
-    streams = followers_health(followers, app[PROXY].replica_names)  # names replicas, with their errors
-    views.add("kv_events", counts, detail=streams)
+    if PRECISE_INDEX in app:
+        counts, streams = events_health(app[PRECISE_INDEX], app[PROXY].replica_names)  # names replicas
+        views.add("kv_events", counts, detail=streams)
+        views.add("kv_indexer", indexer_health(app[PRECISE_INDEX]))
+    else:
+        views.add("kv_events", {"streams": 0}, detail={})
     views.add("unready", unready)
     return Health(not unready, views.public, views.detail)
 
@@ -235,8 +248,19 @@ def _epoch_changed(app: web.Application, logical_id: str) -> None:
         app[PURGER].changed(logical_id)
 
 
+def _kv_index(app: web.Application) -> SharedReader:
+    """The shared KV index this process reads: its parent's (a worker), else one it makes (its
+    ``kv_followers`` task then keeps the indexer that writes it)."""
+    settings = app[SETTINGS]
+    if KV_INDEX_FD not in app:
+        app[KV_INDEX_FD] = create(settings.precise_index_entries, settings.replicas)
+    app[PRECISE_INDEX] = reader = SharedReader(SharedRegion(app[KV_INDEX_FD], settings.replicas))
+    return reader
+
+
 async def _components(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    kv_inherited = app.get(KV_INDEX_FD)
     # No pool limit here: kvgate limits connections per replica itself (max_connections_per_replica)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=session_timeout(settings)) as session:
@@ -280,9 +304,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
-        precise, tokens = precise_parts(settings)  # KV events' index, the base's tokenizer (when on)
-        if precise is not None:
-            app[PRECISE_INDEX] = precise
+        _, tokens = precise_parts(settings)  # the base's tokenizer (when on)
+        precise = _kv_index(app) if settings.kv_events else None  # the KV indexer's table, shared
         scheduler = Scheduler(settings.prefix_index_entries, precise=precise)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
@@ -309,4 +332,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         )  # fmt: skip
         yield
         app[PROXY].upstream.close()
+        if precise is not None:
+            precise.region.close()
+            if app[KV_INDEX_FD] != kv_inherited:
+                os.close(app[KV_INDEX_FD])
         await app[LOADER].stop()  # loads in flight, before the session they use closes

@@ -204,8 +204,9 @@ async def serve(settings: Settings, tracing: TracerProvider | None, place: Worke
     ):
         siblings = place.siblings if place else None
         app = build_app(
-            settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings
-        )
+            settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings,
+            kv_index_fd=place.kv_index_fd if place else None,
+        )  # fmt: skip
         log = logging.getLogger("gateway")
         api = running(app, settings.host, settings.port, sock=place.api if place else None)
         log.info("kvgate listening on %s", await listeners.enter_async_context(api))

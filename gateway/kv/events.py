@@ -103,6 +103,20 @@ def sequence(seq_bytes: bytes) -> int:
     return int.from_bytes(seq_bytes, "big", signed=True)
 
 
+def peek_ts(payload: bytes) -> float | None:
+    """A batch's timestamp, read without decoding its events (the follower's lag check, before the
+    cost of a batch is paid); None when the payload does not start as ``[ts, ...]``."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(payload), 1))
+    try:
+        unpacker.feed(payload)
+        if unpacker.read_array_header() < 2:
+            return None
+        ts = unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types for bad bytes
+        return None
+    return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
+
+
 def decode_payload(topic: bytes, seq: int, payload: bytes) -> Batch:
     if len(payload) > _MAX_PAYLOAD:
         raise MalformedEvent(f"a KV event batch of {len(payload)} bytes is over {_MAX_PAYLOAD}")

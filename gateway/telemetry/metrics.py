@@ -114,6 +114,11 @@ class Metrics:
             "Entries of a replica's /kv_event_sources answer left out (malformed, or not followable)",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.kv_event_dropped = Counter(
+            "kvgate_kv_event_batches_dropped",
+            "KV event batches dropped unread while a replica's events lagged (its view emptied meanwhile)",
+            ["replica"], registry=r,
+        )  # fmt: skip
         self.kv_event_errors = Counter(
             "kvgate_kv_event_follower_errors", "KV event follower failures (restarted after a pause)",
             ["replica"], registry=r,

@@ -211,7 +211,8 @@ async def test_a_token_id_over_64_bits_is_one_malformed_event_and_the_stream_goe
         for message in frames[:3]:
             await f.publisher.send(message)
         await eventually(lambda: holds(f, 3), "learned")
-        await f.publisher.send([b"kv", (3).to_bytes(8, "big"), msgpack.packb([1.5, [bad, good], 0])])
+        ts = decode_message(frames[2]).ts  # stamped as the replica stamped its batches then
+        await f.publisher.send([b"kv", (3).to_bytes(8, "big"), msgpack.packb([ts, [bad, good], 0])])
         await eventually(lambda: f.count("kvgate_kv_events_malformed_total") == 1, "the event is counted")
         assert f.count("kvgate_kv_events_total", kind="BlockStored") == 4, "its neighbour is applied"
         await f.publisher.send(frames[4])  # seq 4: the stream goes on, no gap, no reset
