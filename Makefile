@@ -180,6 +180,12 @@ loadtest-metrics: $(VENV)/.done
 
 # What a worker costs: `kvgate serve --workers 1` and `--workers 2` in front of the stub, started in turn in fresh
 # data directories, then idle: start to ready, RSS per process, Redis commands/s; writes docs/workers.md's table.
+# One replica's KV events flooded at kvgate (loadtest/kv_flood.py): 100,000 blocks/s for 15 s beside steady
+# small requests, --workers 1 and 2; the block in docs/scale.md (a few minutes).
+.PHONY: loadtest-kv-flood
+loadtest-kv-flood: $(VENV)/.done
+	$(PY) -m loadtest.kv_flood --rate 100000 --seconds 15 --out docs/scale.md
+
 .PHONY: loadtest-workers
 loadtest-workers: $(VENV)/.done
 	$(PY) -m loadtest.workers_cost --starts 3 --idle 10 --out docs/workers.md

@@ -16,6 +16,7 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -88,7 +89,7 @@ from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot
 from gateway.tasks.supervisor import Supervisor
-from gateway.telemetry.merge import merge_pages
+from gateway.telemetry.merge import PageCollector, merge_pages
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -156,7 +157,7 @@ def build_app(
         body = app[METRICS].exposition()
         if SIBLINGS in app:
             body = app[SIBLINGS].metrics(body)
-        if PRECISE_INDEX in app:  # the KV indexer's page (its counters), once whichever worker answers
+        if SIBLINGS in app and PRECISE_INDEX in app:  # the KV indexer's page, once whichever worker answers
             with contextlib.suppress(OSError):
                 page = page_path(app[SETTINGS].data_dir, app[PRECISE_INDEX].owner()).read_bytes()
                 body = merge_pages([body, page])
@@ -255,6 +256,10 @@ def _kv_index(app: web.Application) -> SharedReader:
     if KV_INDEX_FD not in app:
         app[KV_INDEX_FD] = create(settings.precise_index_entries, settings.replicas)
     app[PRECISE_INDEX] = reader = SharedReader(SharedRegion(app[KV_INDEX_FD], settings.replicas))
+    if SIBLINGS not in app:  # one process: the indexer's page in its own registry (workers merge it)
+        page = functools.partial(page_path, settings.data_dir, reader.owner())
+        app[METRICS].without_kv_events()
+        app[METRICS].registry.register(PageCollector(page))
     return reader
 
 

@@ -85,7 +85,7 @@ async def index_events(
                 report(writer, follower)
             writer.beat(int(time.time() * 1000))
             if time.monotonic() - written >= PAGE_S:
-                write_atomically(page, metrics.exposition(), durable=False)
+                write_atomically(page, metrics.kv_page(), durable=False)
                 written = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), REPORT_S)

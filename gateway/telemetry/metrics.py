@@ -249,6 +249,24 @@ class Metrics:
             "kvgate_backend_prompt_tokens", "Prompt tokens the backend reported"
         )
 
+    KV_PREFIX = "kvgate_kv_"  # the KV indexer's series (``kv.indexer``): its page holds only these
+
+    def without_kv_events(self) -> None:
+        """This registry leaves the KV indexer's series to its page (``merge.PageCollector``): one
+        family of each name on the page."""
+        kv = (self.kv_events, self.kv_event_malformed, self.kv_event_gaps, self.kv_event_replays,
+              self.kv_view_resets, self.kv_event_lag, self.kv_view_blocks, self.kv_events_state,
+              self.kv_event_sources_skipped, self.kv_event_dropped, self.kv_event_errors)  # fmt: skip
+        for metric in kv:
+            self.registry.unregister(metric)
+
+    def kv_page(self) -> bytes:
+        """The KV indexer's page: its own series only (the rest of its registry is empty)."""
+        lines = self.exposition().decode().splitlines()
+        named = (line.removeprefix("# HELP ").removeprefix("# TYPE ") for line in lines)
+        kept = [line for line, name in zip(lines, named, strict=True) if name.startswith(self.KV_PREFIX)]
+        return ("\n".join(kept) + "\n").encode()
+
     def for_request(self, logical_id: str) -> str:
         """Count one request for ``logical_id`` in the traffic ranking; the label to count it under."""
         return self.ids.request(logical_id)
