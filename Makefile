@@ -186,6 +186,12 @@ loadtest-metrics: $(VENV)/.done
 loadtest-kv-flood: $(VENV)/.done
 	$(PY) -m loadtest.kv_flood --rate 100000 --seconds 15 --out docs/scale.md
 
+# The KV-event path planned past this machine (loadtest/kv_fleet_model.py): kvgate's real index code on
+# synthetic events, then the model for 100 replicas x 20,000 blocks, 16 workers a node, 100 kvgates.
+.PHONY: loadtest-kv-fleet
+loadtest-kv-fleet: $(VENV)/.done
+	$(PY) -m loadtest.kv_fleet_model --out docs/scale.md
+
 .PHONY: loadtest-workers
 loadtest-workers: $(VENV)/.done
 	$(PY) -m loadtest.workers_cost --starts 3 --idle 10 --out docs/workers.md

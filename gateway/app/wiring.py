@@ -20,12 +20,13 @@ import functools
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import asdict
 
 import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client.metrics_core import Metric
 
 from gateway.adapters.stores import location_prefix, open_store
 from gateway.app import background
@@ -249,6 +250,16 @@ def _epoch_changed(app: web.Application, logical_id: str) -> None:
         app[PURGER].changed(logical_id)
 
 
+def _indexer_page(app: web.Application) -> Iterable[Metric] | None:
+    """A worker's view of the KV indexer's series (its page); None: this registry holds them."""
+    if SIBLINGS not in app or PRECISE_INDEX not in app:
+        return None
+    settings = app[SETTINGS]
+    return PageCollector(
+        functools.partial(page_path, settings.data_dir, app[PRECISE_INDEX].owner())
+    ).collect()
+
+
 def _kv_index(app: web.Application) -> SharedReader:
     """The shared KV index this process reads: its parent's (a worker), else one it makes (its
     ``kv_followers`` task then keeps the indexer that writes it)."""
@@ -315,7 +326,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
-            extra_fields=lambda: {**operator_fields(app[METRICS], app[VERDICTS]),
+            extra_fields=lambda: {**operator_fields(app[METRICS], app[VERDICTS], kv=_indexer_page(app)),
                                   "rollouts": app[GATE].report() if GATE in app else {}},
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])

@@ -188,7 +188,7 @@ async def test_captured_events_reach_the_index_and_a_bad_message_is_skipped() ->
         assert f.count("kvgate_kv_events_malformed_total") == 1
         assert f.count("kvgate_kv_events_total", kind="BlockStored") == 3
         assert f.count("kvgate_kv_event_gaps_total") == 0
-        status = kv_event_fields(f.metrics)[URL]  # /kvgate/status shows them per replica
+        status = kv_event_fields(f.metrics.registry.collect())[URL]  # /kvgate/status shows them per replica
         assert (status["events"], status["malformed"], status["gaps"]) == (3, 1, 0)
         # the next batch after /reset_prefix_cache opens with AllBlocksCleared (seq 3 was skipped: a gap,
         # no replay socket: the view is emptied, then learns what seq 4 stored)
