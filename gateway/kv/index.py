@@ -53,9 +53,11 @@ def block_keys(
     (or on ``parent``, the key of the block before the first, for a chain that continues one)."""
     keys: list[bytes] = []
     previous = seed(namespace) if parent is None else parent
-    for i in range(min(len(tokens) // block_size, MAX_BLOCKS)):
-        chunk = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
-        previous = blake3(previous + chunk).digest(KEY_BYTES)
+    count = min(len(tokens) // block_size, MAX_BLOCKS)
+    data = array("q", tokens[: count * block_size]).tobytes()  # once: each block is a slice of it
+    step = 8 * block_size
+    for i in range(count):
+        previous = blake3(previous + data[i * step : (i + 1) * step]).digest(KEY_BYTES)
         keys.append(previous)
     return keys
 
