@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -316,6 +317,25 @@ def render(runs: list[Run], args: argparse.Namespace) -> str:
             f"{run.sent_blocks / run.flood_s:,.0f} | {run.applied_blocks_per_s:,.0f} | "
             f"{run.sent_batches} / {run.applied_batches} / {run.dropped_batches} | {after} | "
             f"{run.rss_max_mb:.0f} MB | {', '.join(f'{mb:.0f}' for mb in run.rss_by_process)} |"
+        )
+    counts = sorted({run.workers for run in runs})
+    if len(runs) > len(counts):
+        lines += ["", "Medians over the runs of each worker count:", ""]
+    for workers in counts:
+        mine = [run for run in runs if run.workers == workers]
+        ratio = statistics.median(r.phases["flood"].p(0.99) / r.phases["idle"].p(0.99) for r in mine)
+        added = statistics.median(r.phases["flood"].p(0.99) - r.phases["idle"].p(0.99) for r in mine)
+        latest = [r.accounted_after_s for r in mine]
+        accounted = (
+            "not every batch accounted for"
+            if None in latest
+            else f"every batch accounted for (applied or dropped) {max(a or 0.0 for a in latest):.1f} s "
+            "after the flood at the latest"
+        )
+        lines.append(
+            f"- `--workers {workers}`: small requests' p99 flood / idle x{ratio:.2f} ({added:+.1f} ms); "
+            f"{accounted}; applied {statistics.median(r.applied_blocks_per_s for r in mine):,.0f} blocks/s "
+            f"during the flood; largest kvgate process {max(r.rss_max_mb for r in mine):.0f} MB."
         )
     return "\n".join(lines)
 
