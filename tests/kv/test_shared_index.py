@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -99,3 +101,49 @@ def test_the_layout_keeps_the_table_at_most_half_full() -> None:
     assert layout.capacity == 2**21
     assert layout.words == 4
     assert Layout.sized(0, 1).capacity == 1024
+
+
+WRITER = """
+import sys, time
+from gateway.kv.shared_index import SharedRegion, SharedWriter
+fd, replicas, keys = int(sys.argv[1]), sys.argv[2].split(","), [int(k) for k in sys.argv[3].split(",")]
+writer = SharedWriter(SharedRegion(fd, replicas))
+end = time.monotonic() + float(sys.argv[4])
+rounds = 0
+while time.monotonic() < end:
+    for i, key in enumerate(keys):  # key i is only ever held in column i % 2
+        writer.hold(key, i % 2)
+    for i, key in enumerate(keys):
+        writer.release(key, i % 2)
+    rounds += 1
+print(rounds)
+"""
+
+
+def test_a_reader_beside_a_busy_writer_process_never_sees_a_key_in_another_keys_column() -> None:
+    """A real writer process holds and releases keys that share one probe run (so deletions shift
+    entries over the slots a reader is reading) while this process reads them: a key is only ever in
+    its own column, never in the column of the entry that moved into its slot mid-read (the seqlock)."""
+    fd = create(100, REPLICAS)
+    try:
+        writer = SharedWriter(SharedRegion(fd, REPLICAS))
+        writer.start(1)
+        keys = [(i << 32) | 5 for i in range(1, 40)]  # one home slot: a single probe run
+        command = [sys.executable, "-c", WRITER, str(fd), ",".join(REPLICAS), ",".join(map(str, keys)), "3"]
+        process = subprocess.Popen(command, pass_fds=[fd], stdout=subprocess.PIPE)
+        reader = SharedReader(SharedRegion(fd, REPLICAS))
+        seen = wrong = 0
+        while process.poll() is None:
+            for i, key in enumerate(keys):
+                held = reader.lookup(key)
+                seen += bool(held)
+                wrong += bool(held & ~(1 << (i % 2)))
+        out, _ = process.communicate()
+        assert process.returncode == 0
+        assert int(out) > 10, "the writer ran"
+        assert seen > 0, "the reader saw the keys held"
+        assert wrong == 0
+        reader.region.close()
+        writer.region.close()
+    finally:
+        os.close(fd)
