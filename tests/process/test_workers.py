@@ -382,6 +382,33 @@ async def test_a_lagging_stream_degrades_to_predicted_and_recovers(
         await eventually(lambda: route_matched(served, "precise:8"), "routed precisely again", within=30)
 
 
+async def test_a_killed_indexer_is_restarted_from_an_empty_table_and_learns_again(
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """The KV indexer killed with SIGKILL: its keeper (the parent) starts the next generation, whose
+    table starts empty (it cannot vouch for what the one before applied: no decision is precise), it
+    subscribes again, and the replica's next events route precisely again; the workers never restart."""
+    async with publisher() as events, precise_kvgate(tmp_path, model_dir, events) as (served, _, salt):
+        await events.store(salt)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely", within=30)
+        before = await detail(served)
+        indexer, workers = before["kv_indexer"], [w["pid"] for w in before["workers"]]
+        assert indexer["generation"] == 1
+        os.kill(indexer["pid"], signal.SIGKILL)
+
+        async def next_generation() -> bool:
+            now = (await detail(served))["kv_indexer"]
+            return bool(now["generation"] == 2 and now["pid"] != indexer["pid"])
+
+        await eventually(next_generation, "the indexer's next generation", within=30)
+        assert not (await route(served.url))[1].startswith("precise")  # its table starts empty
+        await events.subscribed()  # the new indexer's subscription
+        await events.store(salt)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely again", within=30)
+        assert [w["pid"] for w in (await detail(served))["workers"]] == workers
+
+
 async def route_matched(served: Served, want: str) -> bool:
     return (await route(served.url))[1] == want
 
