@@ -136,14 +136,27 @@ async def kv_followers(app: web.Application) -> AsyncIterator[None]:
         return
     if PURGER in app:
         app[PURGER].on_purged = lambda replica: reader.purged(replica.url)
-    if reader.owner() != os.getpid():  # a worker: its parent keeps the indexer
-        yield
-        return
     settings = app[SETTINGS]
-    async with kept_indexer(
-        app[KV_INDEX_FD], settings.replicas, settings.kv_event_endpoints, settings.precise_index_entries,
-        page_path(settings.data_dir, os.getpid()), failure_limit=settings.background_failure_limit,
-    ):  # fmt: skip
+    seen = {replica.url: replica.incarnation for replica in app[POOL].replicas}
+
+    async def restarts() -> None:
+        """A restart this process's poll saw (not its first sight of the replica) is told to the indexer."""
+        for replica in app[POOL].replicas:
+            if seen[replica.url] and replica.incarnation != seen[replica.url]:
+                reader.restarted(replica.url)
+            seen[replica.url] = replica.incarnation
+
+    watch = functools.partial(periodically, settings.poll_interval, restarts)
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(
+            app[SUPERVISOR].run("kv-restarts", watch, period=settings.poll_interval)
+        )
+        if reader.owner() == os.getpid():  # one process: it keeps the indexer (a worker's parent does)
+            await stack.enter_async_context(kept_indexer(
+                app[KV_INDEX_FD], settings.replicas, settings.kv_event_endpoints,
+                settings.precise_index_entries, page_path(settings.data_dir, os.getpid()),
+                failure_limit=settings.background_failure_limit,
+            ))  # fmt: skip
         yield
 
 

@@ -9,7 +9,8 @@ the workers read it, decode nothing, and no batch is ever applied on a loop that
 Every ``REPORT_S`` it writes each replica's figures into its record (state, lag, blocks, last batch,
 batches dropped, its follower's ``health()``: the workers' ``/healthz`` and routing trust), empties a
 replica's view
-when a worker asked (kvgate purged its cache: the record's purge count moved), beats its heartbeat, and
+when a worker asked (kvgate purged its cache, or a worker saw the replica restart: the record's counts
+moved), beats its heartbeat, and
 writes its ``/metrics`` page (its counters: events, gaps, replays, drops, follower failures) to
 ``page`` for the worker that answers a scrape to merge. A new indexer (a restart) starts from an empty
 table (``SharedWriter.start``): it cannot vouch for what the one before applied.
@@ -69,11 +70,13 @@ async def index_events(
     metrics = Metrics()
     supervisor = Supervisor(failure_limit=failure_limit)
     seen = {url: writer.purges(url) for url in replicas}
+    replica_list = [Replica(url) for url in replicas]
+    for replica in replica_list:  # its incarnation: the restarts workers saw (follower._check_restart)
+        replica.incarnation = writer.restarts(replica.url)
     timeout = aiohttp.ClientTimeout(total=10)
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
-        follow_events(endpoints, [Replica(url) for url in replicas], session, index, metrics,
-                      supervisor) as followers,
+        follow_events(endpoints, replica_list, session, index, metrics, supervisor) as followers,
     ):  # fmt: skip
         written = 0.0
         while not stop.is_set():
@@ -82,6 +85,7 @@ async def index_events(
                 if purges != seen[url]:
                     seen[url] = purges
                     follower.cleared("purged by kvgate")
+                follower.replica.incarnation = writer.restarts(url)  # moved: the follower empties the view
                 report(writer, follower)
             writer.beat(int(time.time() * 1000))
             if time.monotonic() - written >= PAGE_S:

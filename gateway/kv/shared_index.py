@@ -9,7 +9,8 @@ little-endian 64-bit words:
   counter, a digest of the replica list (both sides must mean the same replica by the same number), the
   writer's pid and heartbeat, the generation (a new indexer starts from an empty table), entries;
 - one record per replica (in the settings' order): its events' state (``follower.STATES`` plus
-  ``lagging``), lag, blocks, the last batch's time, batches dropped, the purges workers asked for, and the
+  ``lagging``), lag, blocks, the last batch's time, batches dropped, the purges and restarts workers
+  saw (each a count any worker moves: the indexer empties the view when it moves), and the
   follower's ``health()`` as JSON (what ``/healthz`` shows of it);
 - one record per column: the (replica, data-parallel rank) it stands for and that rank's block size;
 - the table: open addressing with linear probing, ``capacity`` slots of a 64-bit block key (the first 8
@@ -53,7 +54,7 @@ MIN_SLOTS = 1024
 _MAGIC, _LAYOUT, _CAPACITY, _WORDS, _REPLICAS, _COLUMNS, _SEQ, _DIGEST = range(8)
 _PID, _HEARTBEAT, _GENERATION, _ENTRIES, _COLUMNS_VERSION, _OWNER = range(8, 14)
 # record word offsets
-STATE, LAG_MS, BLOCKS, LAST_BATCH_MS, DROPPED, PURGES, REASON_LEN = range(7)
+STATE, LAG_MS, BLOCKS, LAST_BATCH_MS, DROPPED, PURGES, REASON_LEN, RESTARTS = range(8)
 
 STATE_CODES = ("unavailable", "following", "partial", "lost", "lagging")  # follower.STATES, as numbers
 ROUTABLE = frozenset(state for state, trust in ROUTING.items() if trust != "predicted")
@@ -301,8 +302,15 @@ class SharedWriter:
 
     def purges(self, replica: str) -> int:
         """How many purges workers asked of ``replica``'s view (``SharedReader.purged``)."""
+        return self._count(replica, PURGES)
+
+    def restarts(self, replica: str) -> int:
+        """How many restarts of ``replica`` workers saw (``SharedReader.restarted``)."""
+        return self._count(replica, RESTARTS)
+
+    def _count(self, replica: str, word: int) -> int:
         number = self.region.number.get(replica)
-        return 0 if number is None else self.w[self.region.record(number) + PURGES]
+        return 0 if number is None else int(self.w[self.region.record(number) + word])
 
     def beat(self, now_ms: int) -> None:
         self.w[_HEARTBEAT] = now_ms
@@ -406,9 +414,17 @@ class SharedReader:
     def purged(self, replica: str) -> None:
         """Ask the indexer to empty ``replica``'s view (kvgate purged its cache). Any worker may ask;
         the indexer acts on any change of the count."""
+        self._bump(replica, PURGES)
+
+    def restarted(self, replica: str) -> None:
+        """Tell the indexer ``replica`` restarted (a worker's poll saw it): its view is emptied, as
+        vLLM's events of the engine that is gone no longer hold."""
+        self._bump(replica, RESTARTS)
+
+    def _bump(self, replica: str, word: int) -> None:
         number = self.region.number.get(replica)
         if number is not None:
-            self.w[self.region.record(number) + PURGES] += 1
+            self.w[self.region.record(number) + word] += 1
 
     def owner(self) -> int:
         """The pid of the process that made the file (and keeps the indexer)."""

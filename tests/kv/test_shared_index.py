@@ -79,6 +79,11 @@ def test_a_request_matches_what_a_replicas_view_holds_and_nothing_once_it_is_rem
         4,
     )
     writer.report(REPLICAS[1], "following", {}, 0.1, 2, None, 4)
+    reader.purged(REPLICAS[1])  # what workers tell the indexer: counts it acts on when they move
+    reader.restarted(REPLICAS[1])
+    reader.restarted(REPLICAS[1])
+    counts = writer.purges(REPLICAS[1]), writer.restarts(REPLICAS[1]), writer.restarts(REPLICAS[0])
+    assert counts == (1, 2, 0)
     index.clear(REPLICAS[1])
     assert reader.held_blocks(namespace, tokens)(REPLICAS[1]) == 0
     assert all(reader.lookup(table_key(k)) == 0 for k in block_keys(namespace, tokens, 10))
