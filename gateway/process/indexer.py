@@ -4,7 +4,7 @@
 workers' parent with ``--workers N``, the kvgate itself with one process. It starts the indexer with the
 file's descriptor inherited, restarts it when it exits (the one backoff, ``tasks.backoff``; each
 restart a new generation, whose table starts empty), and stops it (SIGTERM, then SIGKILL) when the block
-ends. The indexer dies with its keeper (``PR_SET_PDEATHSIG``), runs at the lowest priority
+ends. The indexer dies with its keeper (``PR_SET_PDEATHSIG``), runs below the workers' priority
 (``NICENESS``: on a node short of cores the requests go first, and its lag shows it), and does the work
 of ``kv.indexer.index_events``. Not a command for people: ``kvgate serve`` starts it.
 """
@@ -30,7 +30,7 @@ from gateway.tasks.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
-NICENESS = 19  # the lowest priority: a core the workers want is theirs; the indexer's lag shows it
+NICENESS = 10  # below the workers: a core they want is mostly theirs; the indexer's lag shows it
 STEADY_S = 30.0  # an indexer that lived this long was not crash-looping: restarted at once
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_WAIT_S = 5.0
