@@ -154,7 +154,7 @@ async def kv_followers(app: web.Application) -> AsyncIterator[None]:
         if reader.owner() == os.getpid():  # one process: it keeps the indexer (a worker's parent does)
             await stack.enter_async_context(kept_indexer(
                 app[KV_INDEX_FD], settings.replicas, settings.kv_event_endpoints,
-                settings.precise_index_entries, page_path(settings.data_dir, os.getpid()),
+                settings.precise_index_entries, page_path(settings.data_dir, reader.region.tag),
                 failure_limit=settings.background_failure_limit,
             ))  # fmt: skip
         yield

@@ -160,7 +160,7 @@ def build_app(
             body = app[SIBLINGS].metrics(body)
         if SIBLINGS in app and PRECISE_INDEX in app:  # the KV indexer's page, once whichever worker answers
             with contextlib.suppress(OSError):
-                page = page_path(app[SETTINGS].data_dir, app[PRECISE_INDEX].owner()).read_bytes()
+                page = page_path(app[SETTINGS].data_dir, app[PRECISE_INDEX].region.tag).read_bytes()
                 body = merge_pages([body, page])
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -256,7 +256,7 @@ def _indexer_page(app: web.Application) -> Iterable[Metric] | None:
         return None
     settings = app[SETTINGS]
     return PageCollector(
-        functools.partial(page_path, settings.data_dir, app[PRECISE_INDEX].owner())
+        functools.partial(page_path, settings.data_dir, app[PRECISE_INDEX].region.tag)
     ).collect()
 
 
@@ -268,7 +268,7 @@ def _kv_index(app: web.Application) -> SharedReader:
         app[KV_INDEX_FD] = create(settings.precise_index_entries, settings.replicas)
     app[PRECISE_INDEX] = reader = SharedReader(SharedRegion(app[KV_INDEX_FD], settings.replicas))
     if SIBLINGS not in app:  # one process: the indexer's page in its own registry (workers merge it)
-        page = functools.partial(page_path, settings.data_dir, reader.owner())
+        page = functools.partial(page_path, settings.data_dir, reader.region.tag)
         app[METRICS].without_kv_events()
         app[METRICS].registry.register(PageCollector(page))
     return reader

@@ -38,9 +38,9 @@ REPORT_S = 0.2  # how often the replicas' records, the heartbeat and purges are 
 PAGE_S = 1.0  # how often the metrics page is written
 
 
-def page_path(data_dir: Path, owner: int) -> Path:
-    """Where the indexer started by process ``owner`` writes its ``/metrics`` page."""
-    return data_dir / f"kv-indexer-{owner}.prom"
+def page_path(data_dir: Path, tag: str) -> Path:
+    """Where the indexer of the shared file tagged ``tag`` (``SharedRegion.tag``) writes its page."""
+    return data_dir / f"kv-indexer-{tag}.prom"
 
 
 def report(writer: SharedWriter, follower: KvFollower) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ MIN_SLOTS = 1024
 
 # header word offsets
 _MAGIC, _LAYOUT, _CAPACITY, _WORDS, _REPLICAS, _COLUMNS, _SEQ, _DIGEST = range(8)
-_PID, _HEARTBEAT, _GENERATION, _ENTRIES, _COLUMNS_VERSION, _OWNER = range(8, 14)
+_PID, _HEARTBEAT, _GENERATION, _ENTRIES, _COLUMNS_VERSION, _OWNER, _TOKEN = range(8, 15)
 # record word offsets
 STATE, LAG_MS, BLOCKS, LAST_BATCH_MS, DROPPED, PURGES, REASON_LEN, RESTARTS = range(8)
 
@@ -120,6 +121,7 @@ def create(entries: int, replicas: Sequence[str]) -> int:
         for i, value in enumerate(header):
             words[i] = value
         words[_OWNER] = os.getpid()
+        words[_TOKEN] = secrets.randbits(48)
         words.release()
     return fd
 
@@ -145,6 +147,11 @@ class SharedRegion:
         self.replicas = list(replicas)
         self.number = {url: i for i, url in enumerate(replicas)}
 
+    @property
+    def tag(self) -> str:
+        """What names this file among others (its maker's pid and a random token): the indexer's page."""
+        return f"{self.words[_OWNER]}-{self.words[_TOKEN]:012x}"
+
     def record(self, replica: int) -> int:
         return self.layout.records_at + replica * RECORD_WORDS
 
@@ -152,6 +159,15 @@ class SharedRegion:
         self.words.release()
         self.raw.release()
         self.map.close()
+
+
+def region_tag(fd: int, replicas: Sequence[str]) -> str:
+    """The shared file's tag (``SharedRegion.tag``), for a process that does not keep it mapped."""
+    region = SharedRegion(fd, replicas)
+    try:
+        return region.tag
+    finally:
+        region.close()
 
 
 class SharedWriter:

@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from gateway.cli.table_access import open_table
 from gateway.core.errors import BadRequest, KvgateError
 from gateway.kv.indexer import page_path
-from gateway.kv.shared_index import create
+from gateway.kv.shared_index import create, region_tag
 from gateway.process.http_edge import BACKLOG
 from gateway.process.indexer import kept_indexer
 from gateway.process.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
@@ -254,7 +254,8 @@ async def run_workers(
         if kv_index is not None:  # the KV events followed once for every worker
             await indexer.enter_async_context(kept_indexer(
                 kv_index, settings.replicas, settings.kv_event_endpoints, settings.precise_index_entries,
-                page_path(settings.data_dir, os.getpid()), failure_limit=settings.background_failure_limit,
+                page_path(settings.data_dir, region_tag(kv_index, settings.replicas)),
+                failure_limit=settings.background_failure_limit,
             ))  # fmt: skip
         log.info("kvgate listening on %s (%d workers, parent pid %d)", _url(api), count, os.getpid())
         if admin is not None:
