@@ -400,6 +400,12 @@ class SharedReader:
                 return found
         return {}
 
+    def state(self, replica: str) -> str:
+        """``replica``'s events' state alone: one word, read as it is (the request path's trust check)."""
+        number = self.region.number.get(replica)
+        code = self.w[self.region.record(number) + STATE] if number is not None else 0
+        return STATE_CODES[code] if code < len(STATE_CODES) else "unavailable"
+
     def events(self, replica: str) -> ReplicaEvents:
         """``replica``'s record (an unknown URL: unavailable)."""
         number = self.region.number.get(replica)
@@ -472,7 +478,7 @@ class SharedReader:
             number = self.region.number.get(replica)
             if number is None or number not in columns:
                 return 0
-            if self.events(replica).state not in ROUTABLE:
+            if self.state(replica) not in ROUTABLE:
                 return 0
             best = 0
             for column, size in columns[number]:
