@@ -164,6 +164,7 @@ async def kv_followers(app: web.Application) -> AsyncIterator[None]:
         routing = app.get(ROUTING_TRUST)
         if routing is not None:
             trust.track(app[METRICS], routing)
+            stack.callback(trust.untrack, app[METRICS])  # its gauges read the shared table, closed after
         siblings = app.get(SIBLINGS)
         shared = settings.redis_url not in (None, embedded_redis_url(settings))  # not its own embedded one
         processes = _processes(shared, siblings.count if siblings else 1)

@@ -110,6 +110,11 @@ def track(metrics: Metrics, trust: RoutingTrust) -> None:
             metrics.routing_trust.labels(url, name).set_function(functools.partial(_is, trust, url, name))
 
 
+def untrack(metrics: Metrics) -> None:
+    """``kvgate_routing_trust`` no longer read (before the shared table it reads is closed)."""
+    metrics.routing_trust.clear()
+
+
 def _is(trust: RoutingTrust, url: str, name: str) -> float:
     return 1.0 if trust.of(url)[0] == name else 0.0
 

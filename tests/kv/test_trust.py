@@ -16,7 +16,7 @@ from gateway.fleet.replicas import Replica
 from gateway.kv.live_check import MIN_CHECKED, LiveCheck
 from gateway.kv.shared_index import SharedReader, SharedRegion, SharedWriter, create
 from gateway.kv.tokenizers import Tokenizers
-from gateway.kv.trust import RoutingTrust, predicted_line, track
+from gateway.kv.trust import RoutingTrust, predicted_line, track, untrack
 from gateway.telemetry.metrics import Metrics
 from tests.kv.test_tokenizers import TEXT, serving, trained
 
@@ -111,3 +111,5 @@ def test_the_workers_live_check_drops_a_followed_replica_to_predicted_and_lets_i
     assert trust.of(R0) == ("exact", "")
     assert routing(metrics, "exact") == 1
     assert predicted_line(trust, {R0: "r0"}, "2 workers") is None
+    untrack(metrics)  # at the stop, before the shared table is closed: nothing reads it any more
+    assert routing(metrics, "exact") is None
