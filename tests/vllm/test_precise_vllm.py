@@ -7,9 +7,11 @@ replica restart empties its view (and it is learned again), an evicted prefix st
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import itertools
+import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ from gateway.core.wire import (
     VERSION_HEADER,
 )
 from gateway.dev.vllm_process import VllmProcess, VllmReplicaSpec, kv_events_args
+from gateway.kv.indexer import PAGE_S
 from gateway.kv.prompt_tokens import PromptTokens
 from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete, long_prompt
@@ -60,6 +63,9 @@ def prompt(tag: str) -> str:
 
 
 PROBES = itertools.count()
+REPORTED_WITHIN_S = PAGE_S + 0.5
+"""A probe's events show in a kvgate's counters within this once its KV indexer follows the replica (the
+indexer writes its page every ``PAGE_S``): so many probes are not sent while the first is on its way."""
 
 
 async def until_followed(
@@ -70,19 +76,23 @@ async def until_followed(
 ) -> int:
     """Wait until ``replica``'s events reach a follower (``stored``: its BlockStored count for the replica).
     ZMQ drops what a publisher sends before a SUB socket has joined, so until then a probe (a one-block
-    prompt of its own) goes through the kvgate at ``url`` to the replica, and its events are looked for.
-    Returns the number of probes sent (the blocks they left on the replica)."""
+    prompt of its own) goes through the kvgate at ``url`` to the replica, and its events are looked for
+    (``REPORTED_WITHIN_S``, before the next probe). Returns the number of probes sent (the blocks they
+    left on the replica)."""
 
     async def count() -> float:
         seen = stored()
         return await seen if inspect.isawaitable(seen) else seen
 
-    before, sent = await count(), 0
+    loop = asyncio.get_running_loop()
+    before, sent, last = await count(), 0, -math.inf
 
     async def arrived() -> bool:
-        nonlocal sent
+        nonlocal sent, last
         if await count() > before:
             return True
+        if loop.time() - last < REPORTED_WITHIN_S:  # the last probe's events may not be counted yet
+            return False
         probe = f"Probe {next(PROBES)}. " + long_prompt(5)  # about 160 tokens: one full block
         try:
             await complete(http, url, "base", probe, max_tokens=1, headers=pin(replica))
@@ -91,6 +101,7 @@ async def until_followed(
                 raise
             return False
         sent += 1
+        last = loop.time()
         return False
 
     await eventually(arrived, f"{replica.url}'s KV events reach the follower", within=60)
