@@ -331,10 +331,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         )
         precise = tokens = live = None
         if settings.kv_events:  # the KV indexer's table (shared), each base's tokenizers, the live check
-            precise = _kv_index(app)
             app[TOKENIZERS] = tokens = Tokenizers.at_start(
                 settings.base_model, settings.tokenizer, settings.base_model_dir_map
             )  # an explicit tokenizer that cannot be read stops the start (config fails closed)
+            precise = _kv_index(app)
             app[LIVE_CHECK] = live = LiveCheck(
                 app[METRICS], precise.block_size,
                 window=settings.token_check_window, max_mismatch=settings.token_check_max_mismatch,
