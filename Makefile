@@ -189,8 +189,6 @@ loadtest-edge: $(VENV)/.done
 loadtest-metrics: $(VENV)/.done
 	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000 --out docs/observability.md
 
-# What a worker costs: `kvgate serve --workers 1` and `--workers 2` in front of the stub, started in turn in fresh
-# data directories, then idle: start to ready, RSS per process, Redis commands/s; writes docs/workers.md's table.
 # One replica's KV events flooded at kvgate (loadtest/kv_flood.py): 100,000 blocks/s for 15 s beside steady
 # small requests, --workers 1 and 2; the block in docs/scale.md (a few minutes).
 .PHONY: loadtest-kv-flood
@@ -203,6 +201,8 @@ loadtest-kv-flood: $(VENV)/.done
 loadtest-kv-fleet: $(VENV)/.done
 	$(PY) -m loadtest.kv_fleet_model --out docs/scale.md
 
+# What a worker costs: `kvgate serve --workers 1` and `--workers 2` in front of the stub, started in turn in fresh
+# data directories, then idle: start to ready, RSS per process, Redis commands/s; writes docs/workers.md's table.
 .PHONY: loadtest-workers
 loadtest-workers: $(VENV)/.done
 	$(PY) -m loadtest.workers_cost --starts 3 --idle 10 --out docs/workers.md
