@@ -189,6 +189,18 @@ loadtest-edge: $(VENV)/.done
 loadtest-metrics: $(VENV)/.done
 	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000 --out docs/observability.md
 
+# One replica's KV events flooded at kvgate (loadtest/kv_flood.py): 100,000 blocks/s for 15 s beside steady
+# small requests, --workers 1 and 2; the block in docs/scale.md (a few minutes).
+.PHONY: loadtest-kv-flood
+loadtest-kv-flood: $(VENV)/.done
+	$(PY) -m loadtest.kv_flood --rate 100000 --seconds 15 --rounds 2 --out docs/scale.md
+
+# The KV-event path planned past this machine (loadtest/kv_fleet_model.py): kvgate's real index code on
+# synthetic events, then the model for 100 replicas x 20,000 blocks, 16 workers a node, 100 kvgates.
+.PHONY: loadtest-kv-fleet
+loadtest-kv-fleet: $(VENV)/.done
+	$(PY) -m loadtest.kv_fleet_model --out docs/scale.md
+
 # What a worker costs: `kvgate serve --workers 1` and `--workers 2` in front of the stub, started in turn in fresh
 # data directories, then idle: start to ready, RSS per process, Redis commands/s; writes docs/workers.md's table.
 .PHONY: loadtest-workers

@@ -1,7 +1,7 @@
 """kvgate's background tasks, each a ``cleanup_ctx`` that starts it under the app's ``Supervisor`` once the
 components exist (``gateway.app.wiring``'s ``components``) and stops it in reverse: the snapshot sync, the
 API-key sync, the replica poller, the lease heartbeat, the adapter sweep, the canary and rollout gate, the
-purger (purge-all) and the KV event followers."""
+purger (purge-all) and the KV events (the tokenizers, the KV indexer, the routing trust)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -18,9 +19,8 @@ from gateway.app.keys import (
     BASE_PRINTS,
     CALLERS,
     GATE,
-    KV_FOLLOWERS,
+    KV_INDEX_FD,
     LEASES,
-    LIVE_CHECK,
     LOADER,
     METRICS,
     POOL,
@@ -29,6 +29,7 @@ from gateway.app.keys import (
     PURGER,
     QUARANTINE,
     RESEEDER,
+    ROUTING_TRUST,
     SETTINGS,
     SIBLINGS,
     SNAPSHOT,
@@ -39,7 +40,9 @@ from gateway.app.keys import (
 )  # fmt: skip
 from gateway.fleet.invalidation import PURGE_ALL, PurgeAll
 from gateway.kv import trust
-from gateway.kv.follower import KvFollower, follow_events
+from gateway.kv.indexer import page_path
+from gateway.kv.shared_index import SharedReader
+from gateway.process.indexer import kept_indexer
 from gateway.process.parent import embedded_redis_url
 from gateway.proof.canary import Canary
 from gateway.proof.gate import LEASE_INTERVALS, Gate, GateRules, tick_of
@@ -141,10 +144,15 @@ async def canary_rounds(app: web.Application) -> AsyncIterator[None]:
 
 async def kv_followers(app: web.Application) -> AsyncIterator[None]:
     """Each base's tokenizer looked for (first before serving, then at every poll: a base or a root seen
-    for the first time), the KV event followers, and the start line on predicted routing."""
+    for the first time); the KV indexer (``kv.indexer``, its own process) while this process owns the
+    shared table (one process; with --workers the parent keeps it), told of each replica restart this
+    process's poll sees and of each purge kvgate makes (that replica's view emptied); the routing trust
+    gauges and the start line on predicted routing."""
     settings, pool, supervisor = app[SETTINGS], app[POOL], app[SUPERVISOR]
-    precise, tokenizers = app.get(PRECISE_INDEX), app.get(TOKENIZERS)
+    reader, tokenizers = app.get(PRECISE_INDEX), app.get(TOKENIZERS)
     async with contextlib.AsyncExitStack() as stack:
+        if reader is not None:
+            await _follow_events(app, reader, stack)
         if tokenizers is not None:
             await tokenizers.learn(pool.replicas)
             learning = functools.partial(
@@ -153,20 +161,44 @@ async def kv_followers(app: web.Application) -> AsyncIterator[None]:
             await stack.enter_async_context(
                 supervisor.run("tokenizers", learning, period=settings.poll_interval)
             )
-        followers = follow_events(
-            settings.kv_event_endpoints, pool, precise, app[METRICS], app.get(PURGER), supervisor, tokenizers,
-            app.get(LIVE_CHECK),
-        )  # fmt: skip
-        following: dict[str, KvFollower] = await stack.enter_async_context(followers)
-        app[KV_FOLLOWERS] = following
-        trust.track(app[METRICS], following)
+        routing = app.get(ROUTING_TRUST)
+        if routing is not None:
+            trust.track(app[METRICS], routing)
+            stack.callback(trust.untrack, app[METRICS])  # its gauges read the shared table, closed after
         siblings = app.get(SIBLINGS)
         shared = settings.redis_url not in (None, embedded_redis_url(settings))  # not its own embedded one
         processes = _processes(shared, siblings.count if siblings else 1)
         if processes and (siblings is None or siblings.slot == 0):  # one line per kvgate, not per worker
-            announce = trust.announce(following, app[PROXY].replica_names, processes)
+            announce = trust.announce(routing, app[PROXY].replica_names, processes)
             stack.push_async_callback(_cancelled, asyncio.ensure_future(announce))
         yield
+
+
+async def _follow_events(
+    app: web.Application, reader: SharedReader, stack: contextlib.AsyncExitStack
+) -> None:
+    """The KV indexer's side of this process: purges and restarts told to it, and the indexer itself
+    when this process made the shared table (``kept_indexer``)."""
+    settings = app[SETTINGS]
+    if PURGER in app:
+        app[PURGER].on_purged = lambda replica: reader.purged(replica.url)
+    seen = {replica.url: replica.incarnation for replica in app[POOL].replicas}
+
+    async def restarts() -> None:
+        """A restart this process's poll saw (not its first sight of the replica) is told to the indexer."""
+        for replica in app[POOL].replicas:
+            if seen[replica.url] and replica.incarnation != seen[replica.url]:
+                reader.restarted(replica.url)
+            seen[replica.url] = replica.incarnation
+
+    watch = functools.partial(periodically, settings.poll_interval, restarts)
+    await stack.enter_async_context(app[SUPERVISOR].run("kv-restarts", watch, period=settings.poll_interval))
+    if reader.owner() == os.getpid():  # one process: it keeps the indexer (a worker's parent does)
+        await stack.enter_async_context(kept_indexer(
+            app[KV_INDEX_FD], settings.replicas, settings.kv_event_endpoints,
+            settings.precise_index_entries, page_path(settings.data_dir, reader.region.tag),
+            failure_limit=settings.background_failure_limit,
+        ))  # fmt: skip
 
 
 def _processes(shared_redis: bool, workers: int) -> str:

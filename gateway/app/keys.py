@@ -14,10 +14,10 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.follower import KvFollower
-from gateway.kv.index import PreciseIndex
 from gateway.kv.live_check import LiveCheck
+from gateway.kv.shared_index import SharedReader
 from gateway.kv.tokenizers import Tokenizers
+from gateway.kv.trust import RoutingTrust
 from gateway.process.siblings import Siblings
 from gateway.proof.gate import Gate
 from gateway.request.admin import Admin
@@ -53,9 +53,10 @@ AUTH = web.AppKey("auth", Auth)
 ADMIN_LISTENER = web.AppKey("admin_listener", web.Application)
 BASE_PRINTS = web.AppKey("base_prints", BasePrints)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
-PRECISE_INDEX = web.AppKey("precise_index", PreciseIndex)  # with kv_events on: the KV followers feed it
+PRECISE_INDEX = web.AppKey("precise_index", SharedReader)  # kv_events on: the KV indexer's shared table
+KV_INDEX_FD = web.AppKey("kv_index_fd", int)  # the shared table's file; with --workers, the parent's
 TOKENIZERS = web.AppKey("tokenizers", Tokenizers)  # with kv_events on: each base's tokenizer, found by itself
-KV_FOLLOWERS = web.AppKey("kv_followers", dict[str, KvFollower])
 LIVE_CHECK = web.AppKey("live_check", LiveCheck)  # with kv_events on: answers checked against kvgate's tokens
+ROUTING_TRUST = web.AppKey("routing_trust", RoutingTrust)  # kv_events on: this process's trust per replica
 SIBLINGS = web.AppKey("siblings", Siblings)  # --workers: /metrics and /healthz answer for every worker
 GATE = web.AppKey("gate", Gate)

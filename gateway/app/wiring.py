@@ -15,14 +15,18 @@ whole API (audits pin through it); both apps' handlers read the one set of compo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import asdict
 
 import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client.metrics_core import Metric
 
 from gateway.adapters.stores import location_prefix, open_store
 from gateway.app import background
@@ -35,7 +39,7 @@ from gateway.app.keys import (
     CALLERS,
     DRAIN,
     GATE,
-    KV_FOLLOWERS,
+    KV_INDEX_FD,
     LEASES,
     LIVE_CHECK,
     LOADER,
@@ -46,6 +50,7 @@ from gateway.app.keys import (
     PURGER,
     QUARANTINE,
     RESEEDER,
+    ROUTING_TRUST,
     SETTINGS,
     SIBLINGS,
     SNAPSHOT,
@@ -65,8 +70,11 @@ from gateway.fleet.leases import Leases
 from gateway.fleet.loader import AdapterLoader
 from gateway.fleet.quarantine import Quarantine
 from gateway.fleet.replicas import ReplicaPool
-from gateway.kv.follower import STATES, followers_health, precise_parts
+from gateway.kv.indexer import page_path
 from gateway.kv.live_check import LiveCheck
+from gateway.kv.shared_index import SharedReader, SharedRegion, create, indexer_health
+from gateway.kv.tokenizers import Tokenizers
+from gateway.kv.trust import RoutingTrust
 from gateway.process.http_edge import EDGE, EdgeLimits, session_timeout
 from gateway.process.siblings import Siblings
 from gateway.request.admin import ADMIN_SURFACE, Admin, list_models
@@ -87,6 +95,7 @@ from gateway.table.leases import LeaseTable
 from gateway.table.reseed import Reseeder
 from gateway.table.snapshot import Snapshot
 from gateway.tasks.supervisor import Supervisor
+from gateway.telemetry.merge import PageCollector, merge_pages
 from gateway.telemetry.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.telemetry.tracing import tracer_from
 
@@ -101,6 +110,7 @@ def build_app(
     metrics: Metrics | None = None,
     supervisor: Supervisor | None = None,
     siblings: Siblings | None = None,
+    kv_index_fd: int | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -126,6 +136,8 @@ def build_app(
     app[DRAIN] = Drain()
     if siblings is not None:
         app[SIBLINGS] = siblings
+    if kv_index_fd is not None:  # a worker: the parent made the shared KV index and keeps its indexer
+        app[KV_INDEX_FD] = kv_index_fd
     if settings.auth == "api-keys":
         app[CALLERS] = Callers(max_staleness=settings.auth_max_staleness, metrics=metrics)
     for component in (_components, *background.TASKS):
@@ -155,6 +167,10 @@ def build_app(
         body = app[METRICS].exposition()
         if SIBLINGS in app:
             body = app[SIBLINGS].metrics(body)
+        if SIBLINGS in app and PRECISE_INDEX in app:  # the KV indexer's page, once whichever worker answers
+            with contextlib.suppress(OSError):
+                page = page_path(app[SETTINGS].data_dir, app[PRECISE_INDEX].region.tag).read_bytes()
+                body = merge_pages([body, page])
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health_handler(request: web.Request) -> web.StreamResponse:
@@ -226,13 +242,12 @@ def local_health(app: web.Application) -> Health:
             unready.append(why)
     failing = add_tasks(views, app[SUPERVISOR])  # a task that keeps failing: its state no longer moves
     unready += [f"background task {name} keeps failing" for name in failing]
-    followers = app.get(KV_FOLLOWERS, {})
-    states = [follower.state()[0] for follower in followers.values()]
-    counts = {"streams": len(followers), **{state: states.count(state) for state in STATES}}
-    live = app.get(LIVE_CHECK)
-    streams = followers_health(followers, app[PROXY].replica_names, live)  # names replicas, their errors
-    fallbacks = sum(live is not None and live.fallback_reason(url) is not None for url in followers)
-    views.add("kv_events", {**counts, "token_fallback": fallbacks}, detail=streams)
+    if ROUTING_TRUST in app:  # each replica's events (the KV indexer's record) and this process's trust
+        counts, streams = app[ROUTING_TRUST].health(app[PROXY].replica_names)  # names replicas
+        views.add("kv_events", counts, detail=streams)
+        views.add("kv_indexer", indexer_health(app[ROUTING_TRUST].events))
+    else:
+        views.add("kv_events", {"streams": 0}, detail={})
     if TOKENIZERS in app:  # per base: where its tokenizer was read, or why it has none
         bases = app[TOKENIZERS].health()
         found = sum(how.startswith("from ") for how in bases.values())
@@ -248,8 +263,33 @@ def _epoch_changed(app: web.Application, logical_id: str) -> None:
         app[PURGER].changed(logical_id)
 
 
+def _indexer_page(app: web.Application) -> Iterable[Metric] | None:
+    """A worker's view of the KV indexer's series (its page); None: this registry holds them."""
+    if SIBLINGS not in app or PRECISE_INDEX not in app:
+        return None
+    settings = app[SETTINGS]
+    return PageCollector(
+        functools.partial(page_path, settings.data_dir, app[PRECISE_INDEX].region.tag)
+    ).collect()
+
+
+def _kv_index(app: web.Application) -> SharedReader:
+    """The shared KV index this process reads: its parent's (a worker), else one it makes (its
+    ``kv_followers`` task then keeps the indexer that writes it)."""
+    settings = app[SETTINGS]
+    if KV_INDEX_FD not in app:
+        app[KV_INDEX_FD] = create(settings.precise_index_entries, settings.replicas)
+    app[PRECISE_INDEX] = reader = SharedReader(SharedRegion(app[KV_INDEX_FD], settings.replicas))
+    if SIBLINGS not in app:  # one process: the indexer's page in its own registry (workers merge it)
+        page = functools.partial(page_path, settings.data_dir, reader.region.tag)
+        app[METRICS].without_kv_events()
+        app[METRICS].registry.register(PageCollector(page))
+    return reader
+
+
 async def _components(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    kv_inherited = app.get(KV_INDEX_FD)
     # No pool limit here: kvgate limits connections per replica itself (max_connections_per_replica)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=session_timeout(settings)) as session:
@@ -293,19 +333,22 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             tracer=app[TRACER],
             agent_token=settings.agent_token.get_secret_value() if settings.agent_token else "",
         )
-        precise, tokens = precise_parts(settings)  # KV events' index, each base's tokenizers (when on)
-        live = None
-        if precise is not None and tokens is not None:
-            app[PRECISE_INDEX], app[TOKENIZERS] = precise, tokens
+        precise = tokens = live = None
+        if settings.kv_events:  # the KV indexer's table (shared), each base's tokenizers, the live check
+            app[TOKENIZERS] = tokens = Tokenizers.at_start(
+                settings.base_model, settings.tokenizer, settings.base_model_dir_map
+            )  # an explicit tokenizer that cannot be read stops the start (config fails closed)
+            precise = _kv_index(app)
             app[LIVE_CHECK] = live = LiveCheck(
                 app[METRICS], precise.block_size,
                 window=settings.token_check_window, max_mismatch=settings.token_check_max_mismatch,
             )  # fmt: skip
+            app[ROUTING_TRUST] = RoutingTrust(precise, app[POOL].replicas, tokens, live)
         scheduler = Scheduler(settings.prefix_index_entries, precise=precise, trust=live)
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
         app[ADMIN] = Admin(
             token, app[SNAPSHOT], app[POOL], scheduler.index, leases=app[LEASES], quarantine=app[QUARANTINE],
-            extra_fields=lambda: {**operator_fields(app[METRICS], app[VERDICTS]),
+            extra_fields=lambda: {**operator_fields(app[METRICS], app[VERDICTS], kv=_indexer_page(app)),
                                   "rollouts": app[GATE].report() if GATE in app else {}},
         )  # fmt: skip
         app[AUTH] = Auth(app.get(CALLERS), app[ADMIN])
@@ -328,4 +371,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         yield
         app[PROXY].upstream.close()
         app[PROXY].intake.close()  # its body parsing process
+        if precise is not None:
+            precise.region.close()
+            if app[KV_INDEX_FD] != kv_inherited:
+                os.close(app[KV_INDEX_FD])
         await app[LOADER].stop()  # loads in flight, before the session they use closes

@@ -204,8 +204,9 @@ async def serve(settings: Settings, tracing: TracerProvider | None, place: Worke
     ):
         siblings = place.siblings if place else None
         app = build_app(
-            settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings
-        )
+            settings, table.redis, tracer_provider=tracing, supervisor=supervisor, siblings=siblings,
+            kv_index_fd=place.kv_index_fd if place else None,
+        )  # fmt: skip
         log = logging.getLogger("gateway")
         if ADMIN_LISTENER in app:  # first: once /healthz answers on the API listener, every listener is up
             sock = place.admin if place else None

@@ -6,7 +6,9 @@ one request meets (a published version in a cache namespace, or the base model).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 TOKEN_ID_END = 1 << 63
 """Token ids are below this, and not negative: kvgate keys a prompt's blocks by their tokens as signed
@@ -16,6 +18,17 @@ TOKEN_ID_END = 1 << 63
 def is_token_id(value: object) -> bool:
     """An int in ``0 .. 2^63 - 1``: a token id kvgate can key (a client may send any int; vLLM does not)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < TOKEN_ID_END
+
+
+def all_token_ids(values: list[Any]) -> bool:
+    """Every value ``is_token_id``, checked in C where it can be (a KV event batch carries millions): a
+    signed 64-bit array takes only ints below 2^63, its least item says none is negative, and the set of
+    types says no bool passed as an int."""
+    try:
+        packed = array("q", values)  # TypeError / OverflowError: not token ids
+    except (TypeError, OverflowError):
+        return False
+    return (not packed or min(packed) >= 0) and bool not in set(map(type, values))
 
 
 @dataclass(frozen=True, slots=True)

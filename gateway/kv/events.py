@@ -10,7 +10,7 @@ A frame that is not such a message raises ``MalformedEvent``; an event inside a 
 decode is counted in ``Batch.malformed`` and skipped, never stopping the rest of the batch. Unknown event
 types (a newer vLLM) are counted in ``Batch.unknown`` and skipped. Block hashes are opaque: 64-bit ints by
 default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), bytes otherwise. Token ids are ints in ``0 .. 2^63 - 1``
-(``core.model.is_token_id``: kvgate keys blocks by their tokens as signed 64-bit ints); an event with any
+(``core.model.all_token_ids``: kvgate keys blocks by their tokens as signed 64-bit ints); an event with any
 other is malformed.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from gateway.core.errors import MalformedEvent
-from gateway.core.model import TOKEN_ID_END, is_token_id
+from gateway.core.model import TOKEN_ID_END, all_token_ids
 
 BlockHash = int | bytes
 ExtraKeys = tuple[object, ...] | None
@@ -103,6 +103,20 @@ def sequence(seq_bytes: bytes) -> int:
     return int.from_bytes(seq_bytes, "big", signed=True)
 
 
+def peek_ts(payload: bytes) -> float | None:
+    """A batch's timestamp, read without decoding its events (the follower's lag check, before the
+    cost of a batch is paid); None when the payload does not start as ``[ts, ...]``."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(payload), 1))
+    try:
+        unpacker.feed(payload)
+        if unpacker.read_array_header() < 2:
+            return None
+        ts = unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types for bad bytes
+        return None
+    return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
+
+
 def decode_payload(topic: bytes, seq: int, payload: bytes) -> Batch:
     if len(payload) > _MAX_PAYLOAD:
         raise MalformedEvent(f"a KV event batch of {len(payload)} bytes is over {_MAX_PAYLOAD}")
@@ -167,7 +181,7 @@ def _stored(fields: Mapping[str, Any]) -> BlockStored:
     if parent is not None and not _is_hash(parent):
         raise MalformedEvent("BlockStored.parent_block_hash is an int, bytes or None")
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or not all(is_token_id(t) for t in tokens):
+    if not isinstance(tokens, list) or not all_token_ids(tokens):
         raise MalformedEvent(f"BlockStored.token_ids is a list of ints in 0 .. {TOKEN_ID_END - 1}")
     size = fields.get("block_size")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:

@@ -32,8 +32,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import aiohttp
 import zmq
@@ -43,13 +41,10 @@ from zmq.utils.monitor import parse_monitor_message
 from gateway.core.errors import KvgateError, MalformedEvent
 from gateway.core.wire import replica_id
 from gateway.fleet.backends import answers
-from gateway.fleet.invalidation import PurgeAll
-from gateway.fleet.replicas import Replica, ReplicaPool
-from gateway.kv.events import Batch, decode_message, sequence
+from gateway.fleet.replicas import Replica
+from gateway.kv.events import Batch, decode_message, peek_ts, sequence
 from gateway.kv.index import PreciseIndex
-from gateway.kv.live_check import LiveCheck
 from gateway.kv.sources import SOURCES_PATH, Endpoints, Sources, parse_endpoint_setting, parse_sources
-from gateway.kv.tokenizers import Tokenizers
 from gateway.tasks.supervisor import Supervisor, raise_if_cancelling
 from gateway.telemetry.metrics import Metrics
 
@@ -60,11 +55,16 @@ REPLAY_TIMEOUT_S = 2.0
 REPLICA_ERRORS = (KvgateError, aiohttp.ClientError, OSError)  # a replica's fault: logged without a traceback
 PERIOD_S = 30.0  # the supervisor's period: an attempt that lasts this long works; restarts wait at most this
 _END_SEQ = -1
-STATES = ("following", "partial", "lost", "unavailable")
+MAX_LAG_S = 5.0  # a batch older than this when it arrives: the rank is lagging (its view emptied, dropped)
+RESUME_LAG_S = MAX_LAG_S / 2  # a lagging rank applies batches again from one this fresh
+STATES = ("following", "partial", "lost", "unavailable", "lagging")
 """A replica's KV events on ``/healthz`` and in ``kvgate_kv_events_state``: every rank followed; some
 (the others lost, not reachable, or their entries skipped); none, after following (the stream was lost:
-the views are emptied); none (no sources, a bad answer, no publisher answering)."""
-ROUTING = {"following": "exact", "partial": "degraded", "lost": "predicted", "unavailable": "predicted"}
+the views are emptied); none (no sources, a bad answer, no publisher answering); a rank behind by more
+than ``MAX_LAG_S`` (its view emptied, its batches dropped unread until one arrives within
+``RESUME_LAG_S``: the index never claims what the replica may have evicted meanwhile)."""
+ROUTING = {"following": "exact", "partial": "degraded", "lost": "predicted", "unavailable": "predicted",
+           "lagging": "predicted"}  # fmt: skip
 """How far routing can trust a replica's view, by its state (after vllm-project/router RFC #294): every
 rank's blocks; some ranks' only (the others' prefixes are missed, never claimed); none (the predicted
 index routes it)."""
@@ -79,9 +79,10 @@ class _Stream:
     endpoints: Endpoints
     socket: zmq.asyncio.Socket
     monitor: zmq.asyncio.Socket
-    state: str = "connecting"  # connecting | following | lost
+    state: str = "connecting"  # connecting | following | lost | lagging
     reason: str = "no answer from its publisher yet"
     expected: int | None = None  # the next sequence number; None until a batch arrived
+    offset: float | None = None  # the least (arrival - batch ts) seen: the clocks' skew, no queueing
 
 
 class KvFollower:
@@ -97,8 +98,6 @@ class KvFollower:
         *,
         endpoints: Sequence[Endpoints] = (),
         clock: Callable[[], float] = time.time,
-        tokenizers: Tokenizers | None = None,
-        live: LiveCheck | None = None,
         recheck: float = PERIOD_S,
     ) -> None:
         self.replica = replica
@@ -108,8 +107,6 @@ class KvFollower:
         self.context = context
         self.configured = Sources(dict(enumerate(endpoints))) if endpoints else None  # ranks 0, 1, ...
         self.clock = clock
-        self.tokenizers = tokenizers  # its base's tokenizer: without one, its blocks cannot be matched
-        self.live = live  # the live check of its answers: counts that disagree stop its blocks counting
         self.recheck = recheck  # seconds between asking a replica that publishes no events again
         self.streams: dict[int, _Stream] = {}  # by rank, while an attempt follows them
         self.skipped: tuple[str, ...] = ()  # the last answer's entries left out, and why
@@ -118,6 +115,8 @@ class KvFollower:
         self.last_batch: float | None = None  # monotonic time of the last batch applied
         self.last_error = ""
         self.absent = ""  # why the replica has no events to follow (it names no publisher), while so
+        self.lag: float | None = None  # how late the last batch arrived (``_lagging``: skew taken out)
+        self.dropped = 0  # batches dropped unread while a rank lagged
 
     def state(self) -> tuple[str, str]:
         """One of ``STATES`` and why (empty when every rank is followed)."""
@@ -128,6 +127,8 @@ class KvFollower:
         behind = [f"rank {s.rank}: {s.reason}" for s in self.streams.values() if s.state != "following"]
         why = "; ".join([*behind, *(f"skipped a source: {reason}" for reason in self.skipped)])
         following = len(self.streams) - len(behind)
+        if any(s.state == "lagging" for s in self.streams.values()):
+            return "lagging", why
         if following and not why:
             return "following", ""
         if following:
@@ -135,36 +136,31 @@ class KvFollower:
         lost = any(s.state == "lost" for s in self.streams.values())
         return ("lost" if lost else "unavailable"), why
 
-    def trust(self) -> tuple[str, str]:
-        """How far routing can trust this replica (``ROUTING``: exact, degraded, predicted) and why not
-        exact: its events' state, and, events or not, whether kvgate has its base's tokenizer (without
-        one, no request for that base is keyed by its tokens, so the predicted index routes it)."""
-        state, reason = self.state()
-        missing = self.tokenizers.problem(self.replica.listing.base_name) if self.tokenizers else None
-        if missing is not None:
-            return "predicted", missing
-        disagree = self.live.fallback_reason(self.replica.url) if self.live is not None else None
-        if disagree is not None:
-            return "predicted", disagree
-        return ROUTING[state], reason
+    def settled(self) -> bool:
+        """Whether its state will not move by itself soon: every rank followed, a failure seen, the
+        stream lost, or no events published (the start line waits for it: ``kv.trust.announce``)."""
+        return self.state()[0] == "following" or bool(self.last_error or self.lost or self.absent)
 
     def health(self) -> dict[str, object]:
-        """For ``/healthz``: the state of the replica's events and why, the routing trust it gives
-        (``ROUTING``), each rank's state, how long since the last batch, the blocks its view holds, and
-        the last failure. Informational: a replica without a view is routed by the predicted index,
-        never by a stale view (a lost stream's view is emptied)."""
+        """For ``/healthz`` (through the KV indexer's record of the replica): the state of the replica's
+        events and why, the routing trust they give (``ROUTING``; each worker's ``kv.trust`` adds its
+        tokenizer and live check), each rank's state, how long since the last batch, how late the last
+        one arrived, the batches dropped while it lagged, the blocks its view holds, the last failure and
+        whether it is ``settled``. Informational: a replica without a view is routed by the predicted
+        index, never by a stale view (a lost stream's view is emptied)."""
         state, reason = self.state()
-        routing, why = self.trust()
         since = None if self.last_batch is None else round(time.monotonic() - self.last_batch, 1)
         return {
             "state": state,
-            "routing": routing,
+            "routing": ROUTING[state],
             **({"reason": reason} if reason else {}),
-            **({"routing_reason": why} if why and why != reason else {}),
             "ranks": {str(s.rank): s.state for s in self.streams.values()},
             "last_batch_s_ago": since,
+            "lag_s": None if self.lag is None else round(self.lag, 3),
+            "dropped_batches": self.dropped,
             "blocks": self.index.blocks(self.replica.url),
             **({"last_error": self.last_error} if self.last_error else {}),
+            "settled": self.settled(),
         }
 
     def cleared(self, reason: str, rank: int | None = None) -> None:
@@ -276,8 +272,11 @@ class KvFollower:
         return sources
 
     async def receive(self, frames: list[bytes], rank: int = 0) -> None:
-        """One message from a rank's publisher: decoded, checked against its sequence, applied."""
+        """One message from a rank's publisher: decoded, checked against its sequence, applied; or, while
+        the rank lags (``MAX_LAG_S``), dropped unread."""
         url = self.replica.url
+        if self._lagging(frames, rank):
+            return
         try:
             batch = decode_message(frames)
         except MalformedEvent as exc:
@@ -294,6 +293,44 @@ class KvFollower:
                             batch.seq, reason)  # fmt: skip
                 self.cleared(reason, rank)
         self._apply(batch, rank)
+
+    def _lagging(self, frames: list[bytes], rank: int) -> bool:
+        """Whether this message is dropped: its rank lags. Its lag is how much later than the freshest
+        batch of the stream it arrives (arrival minus the batch's time, less the least such difference
+        seen since subscribing: the replica's clock skew cancels out, queueing stays). A batch that lags
+        by more than ``MAX_LAG_S`` empties the
+        rank's view (what the replica evicted meanwhile must not be claimed) and starts dropping; the
+        first one within ``RESUME_LAG_S`` is applied again (its chains' earlier blocks are then unknown,
+        so they are learned from what follows, never claimed). Dropped batches are counted."""
+        stream = self.streams.get(rank)
+        if stream is None or len(frames) != 3:
+            return False
+        ts = peek_ts(bytes(frames[2]))
+        if ts is None:
+            return False
+        with contextlib.suppress(MalformedEvent):
+            if stream.expected is not None and sequence(bytes(frames[1])) < stream.expected:
+                stream.offset = None  # the publisher restarted: its clock's offset is learned again
+        age = self.clock() - ts
+        stream.offset = age if stream.offset is None else min(stream.offset, age)
+        self.lag = lag = age - stream.offset
+        if stream.state == "lagging" and lag <= RESUME_LAG_S:
+            stream.state, stream.reason = "following", ""
+            log.info("KV events of %s, rank %d: caught up (%.1f s behind)", self.replica.url, rank, lag)
+            return False
+        if stream.state != "lagging" and lag <= MAX_LAG_S:
+            return False
+        if stream.state != "lagging":
+            stream.state = "lagging"
+            log.warning("KV events of %s, rank %d: %.1f s behind: view emptied, batches dropped until it "
+                        "catches up", self.replica.url, rank, lag)  # fmt: skip
+            self.cleared("lagging", rank)
+        stream.reason = f"{lag:.1f} s behind (over {MAX_LAG_S:g} s): view emptied, batches dropped"
+        with contextlib.suppress(MalformedEvent):
+            stream.expected = sequence(bytes(frames[1])) + 1
+        self.dropped += 1
+        self.metrics.kv_event_dropped.labels(self.replica.url).inc()
+        return True
 
     def _apply(self, batch: Batch, rank: int) -> None:
         url = self.replica.url
@@ -313,7 +350,8 @@ class KvFollower:
         stream = self.streams.get(rank)
         if stream is not None:
             stream.expected = batch.seq + 1
-            stream.state, stream.reason = "following", ""  # a batch arrived: connected, whatever was seen
+            if stream.state != "lagging":  # a batch arrived: connected, whatever was seen
+                stream.state, stream.reason = "following", ""
         self.last_batch, self.last_error = time.monotonic(), ""
 
     async def _replay(self, stream: _Stream, start: int, stop: int) -> bool:
@@ -358,45 +396,6 @@ class KvFollower:
         return True
 
 
-def followers_health(
-    followers: dict[str, KvFollower], names: dict[str, str], live: LiveCheck | None = None
-) -> dict[str, object]:
-    """Each follower's ``health()`` for ``/healthz``, under the replica's public name (``names``); with
-    the live check (``live``), its window of token-count checks (``token_check``)."""
-    found: dict[str, object] = {}
-    for url, follower in followers.items():
-        doc = found[names[url]] = follower.health()  # its routing trust counts the live check (``trust``)
-        checked = live.health(url) if live is not None else None
-        if checked is not None:
-            doc["token_check"] = checked
-    return found
-
-
-class PreciseSettings(Protocol):
-    """The settings ``precise_parts`` reads (``gateway.settings.model.Settings`` has them)."""
-
-    @property
-    def kv_events(self) -> bool: ...
-    @property
-    def precise_index_entries(self) -> int: ...
-    @property
-    def tokenizer(self) -> Path | None: ...
-    @property
-    def base_model(self) -> str: ...
-    @property
-    def base_model_dir_map(self) -> dict[str, Path]: ...
-
-
-def precise_parts(settings: PreciseSettings) -> tuple[PreciseIndex | None, Tokenizers | None]:
-    """The precise index and each base's tokenizers (``kv.tokenizers``), both only with ``kv_events``
-    on (the default). An explicit ``tokenizer`` that cannot be read stops kvgate's start (config fails
-    closed); the others are found while it runs, or their bases are routed on the predicted index."""
-    if not settings.kv_events:
-        return None, None
-    index = PreciseIndex(settings.precise_index_entries)
-    return index, Tokenizers.at_start(settings.base_model, settings.tokenizer, settings.base_model_dir_map)
-
-
 def in_state(follower: KvFollower, state: str) -> float:
     """1 when the replica's KV events are in ``state``, else 0 (``kvgate_kv_events_state``)."""
     return 1.0 if follower.state()[0] == state else 0.0
@@ -405,37 +404,23 @@ def in_state(follower: KvFollower, state: str) -> float:
 @contextlib.asynccontextmanager
 async def follow_events(
     endpoint_settings: list[str],
-    pool: ReplicaPool,
-    index: PreciseIndex | None,
+    replicas: Sequence[Replica],
+    session: aiohttp.ClientSession,
+    index: PreciseIndex,
     metrics: Metrics,
-    purger: PurgeAll | None,
     supervisor: Supervisor,
-    tokenizers: Tokenizers | None = None,
-    live: LiveCheck | None = None,
 ) -> AsyncIterator[dict[str, KvFollower]]:
     """One follower per replica, each a supervised background task (``kv-events:<replica id>``: task
     names are on anonymous /healthz, a URL never is; not required: a replica's events failing never
-    fails readiness) while the block runs (none when ``kv_events`` is off); a purge kvgate makes
-    (purge-all) empties that replica's view at once."""
-    if index is None:
-        yield {}
-        return
+    fails readiness) while the block runs. They run in the KV indexer (``kv.indexer``), one process
+    per kvgate."""
     configured: dict[str, list[Endpoints]] = {}  # a replica's entries, in order: its ranks 0, 1, ...
     for url, endpoints in map(parse_endpoint_setting, endpoint_settings):
         configured.setdefault(url, []).append(endpoints)
     context = zmq.asyncio.Context()
     followers = {
-        r.url: KvFollower(
-            r,
-            index,
-            pool.session,
-            metrics,
-            context,
-            endpoints=configured.get(r.url, ()),
-            tokenizers=tokenizers,
-            live=live,
-        )
-        for r in pool.replicas
+        r.url: KvFollower(r, index, session, metrics, context, endpoints=configured.get(r.url, ()))
+        for r in replicas
     }
     for url, follower in followers.items():
         metrics.kv_view_blocks.labels(url).set_function(functools.partial(index.blocks, url))
@@ -443,8 +428,6 @@ async def follow_events(
             metrics.kv_events_state.labels(url, state).set_function(
                 functools.partial(in_state, follower, state)
             )
-    if purger is not None:
-        purger.on_purged = lambda replica: followers[replica.url].cleared("purged by kvgate")
     try:
         async with contextlib.AsyncExitStack() as stack:
             for url, follower in followers.items():

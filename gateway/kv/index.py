@@ -23,6 +23,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from blake3 import blake3
 
@@ -52,11 +53,28 @@ def block_keys(
     (or on ``parent``, the key of the block before the first, for a chain that continues one)."""
     keys: list[bytes] = []
     previous = seed(namespace) if parent is None else parent
-    for i in range(min(len(tokens) // block_size, MAX_BLOCKS)):
-        chunk = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
-        previous = blake3(previous + chunk).digest(KEY_BYTES)
+    count = min(len(tokens) // block_size, MAX_BLOCKS)
+    data = array("q", tokens[: count * block_size]).tobytes()  # once: each block is a slice of it
+    step = 8 * block_size
+    for i in range(count):
+        previous = blake3(previous + data[i * step : (i + 1) * step]).digest(KEY_BYTES)
         keys.append(previous)
     return keys
+
+
+def table_key(key: bytes) -> int:
+    """The shared table's 64-bit key of one of ``block_keys``' keys (never 0: 0 is an empty slot)."""
+    return int.from_bytes(key[:8], "little") or 1
+
+
+class Mirror(Protocol):
+    """Where the index copies which view holds which key (``kv.shared_index.SharedWriter``: the table
+    every worker reads). A view's column is taken on first use; None: that view is not mirrored."""
+
+    def column(self, replica: str, rank: int) -> int | None: ...
+    def block_size(self, column: int, size: int) -> None: ...
+    def hold(self, key: int, column: int) -> None: ...
+    def release(self, key: int, column: int) -> None: ...
 
 
 def stored_namespace(event: BlockStored) -> Namespace | None:
@@ -96,14 +114,22 @@ class Applied:
 
 
 class _View:
-    __slots__ = ("block_size", "by_hash", "holds")
+    __slots__ = ("block_size", "by_hash", "column", "holds", "mirror")
 
-    def __init__(self) -> None:
+    def __init__(self, mirror: Mirror | None = None, column: int | None = None) -> None:
         self.by_hash: OrderedDict[BlockHash, bytes] = (
             OrderedDict()
         )  # vLLM's hash -> kvgate's key, oldest first
         self.holds: dict[bytes, int] = {}  # kvgate's key -> how many of vLLM's blocks carry it here
         self.block_size: int | None = None
+        self.mirror = mirror if column is not None else None
+        self.column = column if column is not None else 0
+
+    def sized(self, size: int) -> None:
+        if size != self.block_size:
+            self.block_size = size
+            if self.mirror is not None:
+                self.mirror.block_size(self.column, size)
 
     def add(self, block_hash: BlockHash, key: bytes) -> bool:
         old = self.by_hash.get(block_hash)
@@ -113,7 +139,10 @@ class _View:
                 return False
             self._release(old)
         self.by_hash[block_hash] = key
-        self.holds[key] = self.holds.get(key, 0) + 1
+        count = self.holds.get(key, 0)
+        self.holds[key] = count + 1
+        if not count and self.mirror is not None:
+            self.mirror.hold(table_key(key), self.column)
         return old is None
 
     def remove(self, block_hash: BlockHash) -> bool:
@@ -127,12 +156,21 @@ class _View:
         _, key = self.by_hash.popitem(last=False)
         self._release(key)
 
+    def empty(self) -> None:
+        if self.mirror is not None:
+            for key in self.holds:
+                self.mirror.release(table_key(key), self.column)
+        self.by_hash.clear()
+        self.holds.clear()
+
     def _release(self, key: bytes) -> None:
         count = self.holds[key] - 1
         if count:
             self.holds[key] = count
         else:
             del self.holds[key]
+            if self.mirror is not None:
+                self.mirror.release(table_key(key), self.column)
 
 
 class PreciseIndex:
@@ -143,8 +181,9 @@ class PreciseIndex:
     of all its ranks, and one rank's view can be emptied alone (its stream was lost) without claiming or
     dropping what the other ranks hold."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, mirror: Mirror | None = None) -> None:
         self.capacity = capacity
+        self.mirror = mirror
         self._views: dict[str, dict[int, _View]] = {}  # replica -> data-parallel rank -> its view
         self._size = 0
 
@@ -199,7 +238,9 @@ class PreciseIndex:
         purged, or events were lost."""
         views = self._views.get(replica, {})
         for r in [r for r in views if rank is None or r == rank]:
-            self._size -= len(views.pop(r).by_hash)
+            view = views.pop(r)
+            self._size -= len(view.by_hash)
+            view.empty()
         if not views:
             self._views.pop(replica, None)
 
@@ -208,7 +249,8 @@ class PreciseIndex:
         views = self._views.setdefault(replica, {})
         view = views.get(rank)
         if view is None:
-            view = views[rank] = _View()
+            column = None if self.mirror is None else self.mirror.column(replica, rank)
+            view = views[rank] = _View(self.mirror, column)
         applied = Applied()
         for event in events:
             if isinstance(event, BlockStored):
@@ -220,14 +262,13 @@ class PreciseIndex:
                         applied.removed += 1
             elif isinstance(event, AllBlocksCleared):
                 self._size -= len(view.by_hash)
-                view.by_hash.clear()
-                view.holds.clear()
+                view.empty()
                 applied.cleared += 1
         self._shrink()
         return applied
 
     def _store(self, view: _View, event: BlockStored, applied: Applied) -> None:
-        view.block_size = event.block_size
+        view.sized(event.block_size)
         keyable = _keyable_blocks(event)
         if event.parent_block_hash is None:
             namespace = stored_namespace(event)

@@ -11,8 +11,9 @@ worker, which drains as one process does (``/healthz`` 503, running requests fin
 ``background_failure_limit`` restarts in a row, ends the whole serve (exit 1): never up and wrong.
 
 Each worker is a full kvgate (its own snapshot, change-log follower, replica poller, leases under its own
-gateway id, KV-event subscribers); ``siblings.py`` makes any of them answer ``/metrics`` and ``/healthz``
-for all of them.
+gateway id); ``siblings.py`` makes any of them answer ``/metrics`` and ``/healthz`` for all of them. The
+KV events are followed once, by the KV indexer the parent keeps (``process/indexer.py``), into a table in
+shared memory every worker reads (``kv/shared_index.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.cli.table_access import open_table
 from gateway.core.errors import BadRequest, KvgateError
+from gateway.kv.indexer import page_path
+from gateway.kv.shared_index import create, region_tag
 from gateway.process.http_edge import BACKLOG
+from gateway.process.indexer import kept_indexer
 from gateway.process.siblings import WORKERS_DIR, Siblings, forget_pages, parent_health, parent_views
 from gateway.settings.model import Settings
 from gateway.tasks.backoff import Backoff
@@ -55,6 +59,7 @@ class WorkerPlace:
     admin: socket.socket | None
     siblings: Siblings
     ready_fd: int | None = None  # written once the worker serves (then closed): its start succeeded
+    kv_index_fd: int | None = None  # the shared KV index the parent's indexer writes (kv_events on)
 
     def serving(self) -> None:
         if self.ready_fd is not None:
@@ -116,9 +121,16 @@ class Workers:
     """N worker processes, each restarted when it exits, until ``stop``."""
 
     def __init__(
-        self, settings: Settings, count: int, argv: list[str], api: socket.socket, admin: socket.socket | None
+        self,
+        settings: Settings,
+        count: int,
+        argv: list[str],
+        api: socket.socket,
+        admin: socket.socket | None,
+        kv_index: int | None = None,
     ) -> None:
         self.settings, self.count, self.argv, self.api, self.admin = settings, count, argv, api, admin
+        self.kv_index = kv_index
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = dict.fromkeys(range(count), 0)
         self.served: set[int] = set()  # slots whose worker has served once (until then /healthz is 503)
@@ -129,14 +141,18 @@ class Workers:
         """A worker for ``slot``, and the read end of its readiness pipe."""
         ready_read, ready_write = os.pipe()
         fds = [self.api.fileno(), ready_write, *([self.admin.fileno()] if self.admin else [])]
+        kv_index = [] if self.kv_index is None else ["--kv-index-fd", str(self.kv_index)]
         command = [sys.executable, "-m", "gateway.process.worker", "--slot", str(slot),
                    "--count", str(self.count), "--restarts", str(self.restarts[slot]),
                    "--parent", str(os.getpid()),
                    "--api-fd", str(fds[0]), "--ready-fd", str(ready_write),
-                   *(["--admin-fd", str(fds[2])] if self.admin else []), "--", *self.argv]  # fmt: skip
+                   *(["--admin-fd", str(fds[2])] if self.admin else []), *kv_index,
+                   "--", *self.argv]  # fmt: skip
         try:
             process = await asyncio.create_subprocess_exec(
-                *command, pass_fds=fds, stdin=asyncio.subprocess.DEVNULL
+                *command,
+                pass_fds=[*fds, *([] if self.kv_index is None else [self.kv_index])],
+                stdin=asyncio.subprocess.DEVNULL,
             )
         finally:
             os.close(ready_write)
@@ -234,14 +250,22 @@ async def run_workers(
         return parent_health(supervisor, pid=os.getpid(), starting=sorted(set(restarts) - served),
                              restarts={str(slot): count for slot, count in restarts.items()})  # fmt: skip
 
+    kv_index = create(settings.precise_index_entries, settings.replicas) if settings.kv_events else None
     async with (
         open_table(settings, tracing, supervisor=supervisor),  # this process owns the embedded Redis
         parent_views(settings.data_dir, health),
+        contextlib.AsyncExitStack() as indexer,
     ):
+        if kv_index is not None:  # the KV events followed once for every worker
+            await indexer.enter_async_context(kept_indexer(
+                kv_index, settings.replicas, settings.kv_event_endpoints, settings.precise_index_entries,
+                page_path(settings.data_dir, region_tag(kv_index, settings.replicas)),
+                failure_limit=settings.background_failure_limit,
+            ))  # fmt: skip
         log.info("kvgate listening on %s (%d workers, parent pid %d)", _url(api), count, os.getpid())
         if admin is not None:
             log.info("admin listener on %s", _url(admin))
-        workers = Workers(settings, count, argv, api, admin)
+        workers = Workers(settings, count, argv, api, admin, kv_index)
         restarts, served = workers.restarts, workers.served
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -262,5 +286,7 @@ async def run_workers(
     api.close()
     if admin is not None:
         admin.close()
+    if kv_index is not None:
+        os.close(kv_index)
     if failed is not None:
         raise failed

@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("--slot", "--count", "--restarts", "--parent", "--api-fd"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--admin-fd", type=int)
+    parser.add_argument("--kv-index-fd", type=int, help="the shared KV index the parent's indexer writes")
     parser.add_argument("--ready-fd", type=int, help="written once serving: the parent knows it started")
     parser.add_argument("serve", nargs=argparse.REMAINDER, help="-- then the parent's kvgate arguments")
     own = parser.parse_args(argv)
@@ -63,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = for_worker(settings_from(args), own.slot)
         siblings = Siblings(settings.data_dir, own.slot, own.count, own.restarts)
-        place = WorkerPlace(api, _inherited(own.admin_fd), siblings, ready_fd=own.ready_fd)
+        place = WorkerPlace(
+            api, _inherited(own.admin_fd), siblings, ready_fd=own.ready_fd, kv_index_fd=own.kv_index_fd
+        )
         tracing = tracer_provider_from_env()
         try:
             uvloop.run(serve(settings, tracing, place))

@@ -16,12 +16,13 @@ import base64
 import functools
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter
+from prometheus_client.metrics_core import Metric
 
 from gateway.telemetry.metrics import Metrics
 
@@ -60,9 +61,13 @@ async def status_page(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html", charset="utf-8", headers=headers)
 
 
-def operator_fields(metrics: Metrics, verdicts: Verdicts) -> dict[str, Any]:
+def operator_fields(
+    metrics: Metrics, verdicts: Verdicts, kv: Iterable[Metric] | None = None
+) -> dict[str, Any]:
     """What ``/kvgate/status`` adds for the page: per logical ID, prompt and cached tokens (this kvgate's
-    counters since it started) and the canary's last verdict per replica."""
+    counters since it started), the canary's last verdict per replica, and the replicas' KV events from
+    ``kv`` (the KV indexer's families; by default this registry's) with this process's precise claims."""
+    own_claims = [*metrics.prefix_claimed_tokens.collect(), *metrics.prefix_confirmed_tokens.collect()]
     usage: dict[str, dict[str, float]] = {}
     for field, counter in (
         ("prompt_tokens", metrics.prompt_tokens),
@@ -73,34 +78,41 @@ def operator_fields(metrics: Metrics, verdicts: Verdicts) -> dict[str, Any]:
     return {
         "usage": usage,
         "audits": {logical_id: dict(by_replica) for logical_id, by_replica in verdicts.items()},
-        "kv_events": kv_event_fields(metrics),
+        "kv_events": kv_event_fields(metrics.registry.collect() if kv is None else [*kv, *own_claims]),
     }
 
 
-def kv_event_fields(metrics: Metrics) -> dict[str, dict[str, float]]:
-    """Per replica, what its KV events did (``kv.follower``; empty when ``kv_events`` is off): blocks
-    in its view, events, malformed ones, gaps, views emptied, follower failures, the last batch's lag,
-    and the tokens precise decisions claimed there and the answers confirmed (``kv.live_check``)."""
-    sources = {
-        "blocks": metrics.kv_view_blocks,
-        "events": metrics.kv_events,
-        "malformed": metrics.kv_event_malformed,
-        "gaps": metrics.kv_event_gaps,
-        "view_resets": metrics.kv_view_resets,
-        "follower_errors": metrics.kv_event_errors,
-        "lag_seconds": metrics.kv_event_lag,
-        "claimed_tokens": metrics.prefix_claimed_tokens,
-        "confirmed_tokens": metrics.prefix_confirmed_tokens,
-    }
+KV_FIELDS = {
+    "kvgate_kv_view_blocks": "blocks",
+    "kvgate_kv_events": "events",
+    "kvgate_kv_events_malformed": "malformed",
+    "kvgate_kv_event_gaps": "gaps",
+    "kvgate_kv_view_resets": "view_resets",
+    "kvgate_kv_event_follower_errors": "follower_errors",
+    "kvgate_kv_event_lag_seconds": "lag_seconds",
+    "kvgate_kv_event_batches_dropped": "dropped_batches",
+    "kvgate_prefix_claimed_tokens": "claimed_tokens",
+    "kvgate_prefix_confirmed_tokens": "confirmed_tokens",
+}
+
+
+def kv_event_fields(families: Iterable[Metric]) -> dict[str, dict[str, float]]:
+    """Per replica, what its KV events did (``kv.follower``, in the KV indexer; empty when ``kv_events``
+    is off), from the indexer's metric families: blocks in its view, events, malformed ones, gaps, views
+    emptied, follower failures, the last batch's lag, batches dropped while it lagged; and, from this
+    process's own, the tokens precise decisions claimed there and the answers confirmed
+    (``kv.live_check``)."""
     fields: dict[str, dict[str, float]] = {}
-    for field, metric in sources.items():
-        for family in metric.collect():
-            for sample in family.samples:
-                replica = sample.labels.get("replica")
-                if replica is None or sample.name.endswith("_created"):
-                    continue
-                entry = fields.setdefault(replica, dict.fromkeys(sources, 0.0))
-                entry[field] += sample.value
+    for family in families:
+        field = KV_FIELDS.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            replica = sample.labels.get("replica")
+            if replica is None or sample.name.endswith("_created"):
+                continue
+            entry = fields.setdefault(replica, dict.fromkeys(KV_FIELDS.values(), 0.0))
+            entry[field] += sample.value
     return fields
 
 

@@ -13,10 +13,13 @@ as it is. Families keep the order of their first appearance, samples too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import utils
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 _text: Callable[[float], str] = utils.floatToGoString  # as prometheus_client writes values
 
@@ -91,3 +94,24 @@ def counters_only(page: bytes, drop: tuple[str, ...] = ()) -> bytes:
             kind = "counter" if name.endswith("_created") else parts[3].strip()
         family.append(raw)
     return ("\n".join(kept) + "\n").encode() if kept else b""
+
+
+class PageCollector:
+    """Another process's page (a file it writes) as a collector of this registry: its families, parsed as
+    they are read (a page that is missing or does not parse yields nothing). The KV indexer's counters
+    and gauges in a one-process kvgate's own registry (with --workers, the page is merged once at the
+    scrape instead: in every worker's registry, the merge would count it once per worker)."""
+
+    def __init__(self, path: Callable[[], Path]) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            text = self.path().read_text()
+        except OSError:
+            return
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            return
+        yield from families

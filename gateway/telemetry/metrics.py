@@ -119,7 +119,8 @@ class Metrics:
         self.routing_trust = Gauge(
             "kvgate_routing_trust",
             "1 for how far routing trusts what kvgate knows of a replica's cache (exact: every rank's KV "
-            "events and its base's tokenizer; degraded: some ranks; predicted: the predicted index), else 0",
+            "events, its base's tokenizer and agreeing token counts; degraded: some ranks; predicted: the "
+            "predicted index), else 0",
             ["replica", "trust"], registry=r,
         )  # fmt: skip
         self.kv_event_sources_skipped = Counter(
@@ -148,6 +149,11 @@ class Metrics:
             "kvgate_prefix_confirmed_tokens",
             "Of the claimed tokens, those the answer's cached_tokens confirmed (confirmed / claimed: the "
             "precision of kvgate's view of the replica)",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.kv_event_dropped = Counter(
+            "kvgate_kv_event_batches_dropped",
+            "KV event batches dropped unread while a replica's events lagged (its view emptied meanwhile)",
             ["replica"], registry=r,
         )  # fmt: skip
         self.kv_event_errors = Counter(
@@ -284,6 +290,24 @@ class Metrics:
         self.prompt_tokens = self._counter_by_id(
             "kvgate_backend_prompt_tokens", "Prompt tokens the backend reported"
         )
+
+    KV_PREFIX = "kvgate_kv_"  # the KV indexer's series (``kv.indexer``): its page holds only these
+
+    def without_kv_events(self) -> None:
+        """This registry leaves the KV indexer's series to its page (``merge.PageCollector``): one
+        family of each name on the page."""
+        kv = (self.kv_events, self.kv_event_malformed, self.kv_event_gaps, self.kv_event_replays,
+              self.kv_view_resets, self.kv_event_lag, self.kv_view_blocks, self.kv_events_state,
+              self.kv_event_sources_skipped, self.kv_event_dropped, self.kv_event_errors)  # fmt: skip
+        for metric in kv:
+            self.registry.unregister(metric)
+
+    def kv_page(self) -> bytes:
+        """The KV indexer's page: its own series only (the rest of its registry is empty)."""
+        lines = self.exposition().decode().splitlines()
+        named = (line.removeprefix("# HELP ").removeprefix("# TYPE ") for line in lines)
+        kept = [line for line, name in zip(lines, named, strict=True) if name.startswith(self.KV_PREFIX)]
+        return ("\n".join(kept) + "\n").encode()
 
     def for_request(self, logical_id: str) -> str:
         """Count one request for ``logical_id`` in the traffic ranking; the label to count it under."""

@@ -89,6 +89,10 @@ GOOD = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
         {"type": "BlockStored", "block_hashes": [1], "token_ids": [1 << 63], "block_size": 1},  # over int64
         {"type": "BlockStored", "block_hashes": [1], "token_ids": [(1 << 64) - 1], "block_size": 1},
         {"type": "BlockStored", "block_hashes": [1], "token_ids": [-1], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [3, True], "block_size": 1},  # a bool
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1.0], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": ["1"], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [None], "block_size": 1},
         ["BlockStored", [1], None, [1 << 63], 1],
         {"type": "BlockRemoved", "block_hashes": None},
         {"type": 3},

@@ -188,7 +188,7 @@ async def test_captured_events_reach_the_index_and_a_bad_message_is_skipped() ->
         assert f.count("kvgate_kv_events_malformed_total") == 1
         assert f.count("kvgate_kv_events_total", kind="BlockStored") == 3
         assert f.count("kvgate_kv_event_gaps_total") == 0
-        status = kv_event_fields(f.metrics)[URL]  # /kvgate/status shows them per replica
+        status = kv_event_fields(f.metrics.registry.collect())[URL]  # /kvgate/status shows them per replica
         assert (status["events"], status["malformed"], status["gaps"]) == (3, 1, 0)
         # the next batch after /reset_prefix_cache opens with AllBlocksCleared (seq 3 was skipped: a gap,
         # no replay socket: the view is emptied, then learns what seq 4 stored)
@@ -211,7 +211,8 @@ async def test_a_token_id_over_64_bits_is_one_malformed_event_and_the_stream_goe
         for message in frames[:3]:
             await f.publisher.send(message)
         await eventually(lambda: holds(f, 3), "learned")
-        await f.publisher.send([b"kv", (3).to_bytes(8, "big"), msgpack.packb([1.5, [bad, good], 0])])
+        ts = decode_message(frames[2]).ts  # stamped as the replica stamped its batches then
+        await f.publisher.send([b"kv", (3).to_bytes(8, "big"), msgpack.packb([ts, [bad, good], 0])])
         await eventually(lambda: f.count("kvgate_kv_events_malformed_total") == 1, "the event is counted")
         assert f.count("kvgate_kv_events_total", kind="BlockStored") == 4, "its neighbour is applied"
         await f.publisher.send(frames[4])  # seq 4: the stream goes on, no gap, no reset

@@ -96,7 +96,7 @@ def test_a_precise_claim_is_confirmed_by_the_answers_cached_tokens() -> None:
     live.answered(R0, "base", counted=None, reported=500, precise_blocks=2, cached=None)  # not reported
     assert sample(metrics, "kvgate_prefix_claimed_tokens_total", replica=R0) == 768
     assert sample(metrics, "kvgate_prefix_confirmed_tokens_total", replica=R0) == 512
-    shown = kv_event_fields(metrics)[R0]  # /kvgate/status, per replica
+    shown = kv_event_fields(metrics.registry.collect())[R0]  # /kvgate/status, per replica
     assert (shown["claimed_tokens"], shown["confirmed_tokens"]) == (768, 512)
     unknown, unknown_metrics = check(block=None)  # no block size known: no claim in tokens
     unknown.answered(R0, "base", counted=None, reported=500, precise_blocks=3, cached=384)

@@ -13,7 +13,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import zmq.asyncio
 from redis.asyncio import Redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -21,13 +20,9 @@ from gateway.app.wiring import build_app
 from gateway.core.wire import replica_id
 from gateway.fleet.backends.answers import AdapterListing
 from gateway.fleet.replicas import Replica
-from gateway.kv.follower import KvFollower
-from gateway.kv.index import PreciseIndex
 from gateway.kv.tokenizers import SETTING, Tokenizers
-from gateway.kv.trust import predicted_line, track
 from gateway.process.http_edge import running
 from gateway.settings.model import Settings
-from gateway.telemetry.metrics import Metrics
 from tests.support.conditions import eventually
 from tests.support.stub_backend import StubState, build_stub
 
@@ -124,35 +119,6 @@ async def test_a_base_without_a_readable_tokenizer_falls_back_visibly_and_is_loo
     await tokenizers.learn([serving("base", tmp_path / "model")])
     assert tokenizers.for_base("base") is not None
     assert tokenizers.problem("base") is None
-
-
-async def test_a_replica_whose_base_has_no_tokenizer_is_trusted_as_predicted_with_the_reason() -> None:
-    """Events or not, a replica whose base kvgate has no tokenizer for is routed on the predicted index:
-    its trust says so with the reason, in ``health()`` and ``kvgate_routing_trust``; the start line
-    names it."""
-    tokenizers = Tokenizers.at_start("base", None, {})
-    await tokenizers.learn([serving("base", None)])
-    metrics, context = Metrics(), zmq.asyncio.Context()
-    try:
-        async with aiohttp.ClientSession() as session:
-            follower = KvFollower(
-                serving("base", None), PreciseIndex(10), session, metrics, context, tokenizers=tokenizers
-            )
-            trust, why = follower.trust()
-            assert (trust, why.split(":")[0]) == ("predicted", "no tokenizer for base base")
-            health = follower.health()
-            assert (health["state"], health["routing"]) == ("unavailable", trust)
-            assert health["routing_reason"] == why
-            track(metrics, {follower.replica.url: follower})
-            sample = metrics.registry.get_sample_value
-            assert sample("kvgate_routing_trust", {"replica": "http://r0:8000", "trust": "predicted"}) == 1
-            assert sample("kvgate_routing_trust", {"replica": "http://r0:8000", "trust": "exact"}) == 0
-            line = predicted_line({follower.replica.url: follower}, {"http://r0:8000": "r0"}, "2 workers")
-            assert "1 of 1 replicas" in str(line)
-            assert "r0: no tokenizer for base base" in str(line)
-    finally:
-        context.destroy(linger=0)
-    assert "kv_events is off" in str(predicted_line({}, {}, "2 workers"))
 
 
 async def test_default_settings_find_the_listed_roots_tokenizer_and_healthz_shows_each_replicas_trust(

@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
 from gateway.cli.main import main
+from gateway.core.wire import PREFIX_MATCH_HEADER, REPLICA_HEADER
 from gateway.process.http_edge import free_port, running
 from gateway.process.parent import worker_count
 from gateway.process.siblings import socket_path
 from gateway.settings.model import Settings
 from gateway.table.redis_server import EmbeddedRedis
-from tests.kv.test_kv_follower import captured
 from tests.kv.test_tokens import model_dir  # noqa: F401  (a small real tokenizer for kv_events)
 from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import STARTS_WITHIN_S, eventually
@@ -226,7 +229,43 @@ async def test_a_killed_worker_is_restarted_and_counted_and_the_merged_counters_
     assert f"worker 1 (pid {victim['pid']}) exited with signal SIGKILL; restarting it" in served.text()
 
 
-async def test_every_worker_follows_the_kv_events(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+PROMPT = list(range(1, 33))  # token ids: 8 blocks of 4
+PRECISE = 'kvgate_prefix_matched_blocks_count{source="precise"}'
+
+
+@dataclass
+class Events:
+    """A replica's KV event publisher (a real XPUB socket: it sees every subscription)."""
+
+    socket: zmq.asyncio.Socket
+    endpoint: str
+    seq: int = 0
+    subscriptions: int = 0
+
+    async def subscribed(self, within: float = 30.0) -> None:
+        """Wait for one more subscription."""
+        want = self.subscriptions + 1
+        while self.subscriptions < want:
+            assert await self.socket.poll(int(within * 1000)), "a subscription"
+            self.subscriptions += (await self.socket.recv()).startswith(b"\x01")
+
+    async def no_more_subscriptions(self) -> None:
+        while await self.socket.poll(0):
+            self.subscriptions += (await self.socket.recv()).startswith(b"\x01")
+
+    async def store(self, salt: str | None, *, age: float = 0.0) -> None:
+        """The replica stored ``PROMPT``'s blocks (salted as kvgate salts base requests), stamped ``age``
+        seconds ago."""
+        stored = {"type": "BlockStored", "block_hashes": [1000 * (self.seq + 1) + i for i in range(8)],
+                  "parent_block_hash": None, "token_ids": PROMPT, "block_size": 4,
+                  "extra_keys": [None if salt is None else [salt]] + [None] * 7}  # fmt: skip
+        payload = msgpack.packb([time.time() - age, [stored], 0])
+        await self.socket.send_multipart([b"kv", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+
+@contextlib.asynccontextmanager
+async def publisher() -> AsyncIterator[Events]:
     context = zmq.asyncio.Context()
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -234,45 +273,152 @@ async def test_every_worker_follows_the_kv_events(tmp_path: Path, model_dir: Pat
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     pub.bind(endpoint)
     try:
-        async with running(build_stub(StubState())) as stub_url:
-            extra = (
-                "--kv-events",
-                "--tokenizer",
-                str(model_dir),
-                "--kv-event-endpoints",
-                f"{stub_url}={endpoint}",
-            )
-            async with serve(tmp_path / "kvgate", stub_url, *extra) as served:
-                subscribed = 0
-                while subscribed < 2:  # one subscription per worker
-                    assert await pub.poll(20_000), "both workers subscribed"
-                    subscribed += (await pub.recv()).startswith(b"\x01")  # a subscription
-                for message in captured("map_frames.json")[:3]:
-                    await pub.send_multipart(message)
-                stored = f'kvgate_kv_events_total{{kind="BlockStored",replica="{stub_url}"}}'
-
-                async def both_applied() -> bool:
-                    pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
-                    return [sample(page, stored) for page in pages] == [3, 3]
-
-                await eventually(both_applied, "each worker applied the 3 BlockStored events", within=20)
-
-                async def summed() -> bool:  # counters: summed over the workers (a sibling's page ≤ 1 s old)
-                    return sample(await served.merged_metrics(), stored) == 6
-
-                await eventually(summed, "the merged page sums both workers' 3 events")
-                page = await served.merged_metrics()
-                blocks = f'kvgate_kv_view_blocks{{replica="{stub_url}"}}'
-                pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
-                each = [sample(own, blocks) for own in pages]
-                assert each[0] == each[1] > 0  # the same view of the replica in both workers
-                assert sample(page, blocks) == each[0]  # gauges: the largest, not the sum
-                state = 'kvgate_kv_events_state{{replica="{}",state="{}"}}'
-                assert sample(page, state.format(stub_url, "following")) == 1  # both workers follow it
-                assert sample(page, state.format(stub_url, "unavailable")) == 0
+        yield Events(pub, endpoint)
     finally:
         pub.close()
         context.term()
+
+
+async def route(url: str) -> tuple[str, str]:
+    """``PROMPT`` through kvgate on a new connection (any worker may take it): the replica that served
+    it and what the decision matched."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    body = {"model": "base", "prompt": PROMPT, "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.post(f"{url}/v1/completions", json=body) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return r.headers[REPLICA_HEADER], r.headers[PREFIX_MATCH_HEADER]
+
+
+async def detail(served: Served) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http, http.get(f"{served.url}/healthz", headers=ADMIN) as r:
+        body: dict[str, Any] = await r.json()
+        return body
+
+
+@contextlib.asynccontextmanager
+async def precise_kvgate(
+    tmp_path: Path, tokenizer: Path, events: Events
+) -> AsyncIterator[tuple[Served, str, str | None]]:
+    """``kvgate serve --workers 2`` over two stub replicas, the second publishing KV events at
+    ``events``, subscribed once; yields it, the replica with events and the salt of base requests."""
+    states = StubState(), StubState()
+    async with running(build_stub(states[0])) as plain, running(build_stub(states[1])) as holder:
+        extra = ("--replica", holder, "--kv-events", "--tokenizer", str(tokenizer), "--expose-replica-urls",
+                 "--kv-event-endpoints", f"{holder}={events.endpoint}")  # fmt: skip
+        async with serve(tmp_path / "kvgate", plain, *extra) as served:
+            await events.subscribed()
+            await route(served.url)  # the salt kvgate gives base requests (either replica's)
+            yield served, holder, [*states[0].received, *states[1].received][-1].get("cache_salt")
+
+
+async def test_the_events_are_followed_once_and_every_worker_routes_on_them(
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """With --workers 2 the replica's stream is subscribed once (the KV indexer's); both workers send a
+    prompt to the replica whose events say it holds it; a worker killed and restarted routes precisely
+    again at once, from the shared table, with no new subscription (the stream is not read again)."""
+    async with publisher() as events, precise_kvgate(tmp_path, model_dir, events) as (served, holder, salt):
+        await events.store(salt)
+
+        async def precise_in(slot: int, above: float = 0) -> bool:
+            replica, matched = await route(served.url)
+            assert (replica, matched) == (holder, "precise:8") or not matched.startswith("precise")
+            return sample(await served.own(slot, "/metrics"), PRECISE) > above
+
+        for slot in (0, 1):
+            await eventually(
+                functools.partial(precise_in, slot), f"worker {slot} routes precisely", within=30
+            )
+        _, body = await served.health()
+        pid = body["workers"][1]["pid"]
+        before = sample(await served.own(1, "/metrics"), PRECISE)
+        os.kill(pid, signal.SIGKILL)
+
+        async def back() -> bool:
+            status, body = await served.health()
+            return (
+                status == 200 and body["workers"][1]["state"] == "ready" and body["workers"][1]["pid"] != pid
+            )
+
+        await eventually(back, "worker 1 restarted", within=60)
+        await eventually(
+            functools.partial(precise_in, 1, before), "the new worker 1 routes precisely", within=30
+        )
+        await events.no_more_subscriptions()
+        assert events.subscriptions == 1
+        stored = f'kvgate_kv_events_total{{kind="BlockStored",replica="{holder}"}}'
+        assert sample(await served.merged_metrics(), stored) == 1  # decoded once, by the indexer
+
+
+async def test_a_lagging_stream_degrades_to_predicted_and_recovers(
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """Batches arriving later than the bound: the replica's view is emptied, its batches dropped and
+    counted, /healthz shows its lag and 'lagging' (routing: predicted), and no decision is precise; a
+    fresh batch brings it back by itself."""
+    async with publisher() as events, precise_kvgate(tmp_path, model_dir, events) as (served, holder, salt):
+        await events.store(salt)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely", within=30)
+        await events.store(salt, age=30)  # 30 s later than the stream's freshest batch
+
+        async def lagging() -> bool:
+            replica = (await detail(served))["kv_events"][holder]
+            return bool(
+                replica["state"] == "lagging" and replica["lag_s"] > 20 and replica["routing"] == "predicted"
+            )
+
+        await eventually(lagging, "/healthz shows the replica lagging", within=20)
+        _, matched = await route(served.url)
+        assert not matched.startswith("precise")
+        dropped = f'kvgate_kv_event_batches_dropped_total{{replica="{holder}"}}'
+        await eventually(lambda: merged_at_least(served, dropped, 1), "the dropped batch is counted")
+        await events.store(salt)  # fresh again
+
+        async def following() -> bool:
+            return bool((await detail(served))["kv_events"][holder]["state"] == "following")
+
+        await eventually(following, "following again", within=20)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely again", within=30)
+
+
+async def test_a_killed_indexer_is_restarted_from_an_empty_table_and_learns_again(
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """The KV indexer killed with SIGKILL: its keeper (the parent) starts the next generation, whose
+    table starts empty (it cannot vouch for what the one before applied: no decision is precise), it
+    subscribes again, and the replica's next events route precisely again; the workers never restart."""
+    async with publisher() as events, precise_kvgate(tmp_path, model_dir, events) as (served, _, salt):
+        await events.store(salt)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely", within=30)
+        before = await detail(served)
+        indexer, workers = before["kv_indexer"], [w["pid"] for w in before["workers"]]
+        assert indexer["generation"] == 1
+        os.kill(indexer["pid"], signal.SIGKILL)
+
+        async def next_generation() -> bool:
+            now = (await detail(served))["kv_indexer"]
+            return bool(now["generation"] == 2 and now["pid"] != indexer["pid"])
+
+        await eventually(next_generation, "the indexer's next generation", within=30)
+        assert not (await route(served.url))[1].startswith("precise")  # its table starts empty
+        await events.subscribed()  # the new indexer's subscription
+        await events.store(salt)
+        await eventually(lambda: route_matched(served, "precise:8"), "routed precisely again", within=30)
+        assert [w["pid"] for w in (await detail(served))["workers"]] == workers
+
+
+async def route_matched(served: Served, want: str) -> bool:
+    return (await route(served.url))[1] == want
+
+
+async def merged_at_least(served: Served, name: str, value: float) -> bool:
+    return sample(await served.merged_metrics(), name) >= value
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "257"])

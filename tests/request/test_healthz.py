@@ -82,7 +82,7 @@ async def test_anonymous_healthz_names_no_replica_logical_id_or_key_id(
             assert public["api_keys"]["malformed"] == 1
             # neither replica's events can be followed (the stub has no /kv_event_sources, the other
             # refuses): both unavailable, counted here, with the reason per replica in the detail view
-            counts = {"streams": 2, "following": 0, "partial": 0, "lost": 0, "unavailable": 2,
+            counts = {"streams": 2, "following": 0, "partial": 0, "lost": 0, "unavailable": 2, "lagging": 0,
                       "token_fallback": 0}  # fmt: skip
             assert public["kv_events"] == counts
             _, detail = await healthz(url, ADMIN)
