@@ -47,10 +47,10 @@ image: $(VENV)/.done apt-podman
 deploy-smoke: setup
 	flock /tmp/kvgate-vllm.lock $(PY) -m scripts.deploy_smoke --fixture-dir $(abspath $(FIXTURE_DIR))
 
-# kvgate itself, its tests, linter and type checker (light: no torch here).
-$(VENV)/.done: pyproject.toml
+# kvgate itself, its tests, linter and type checker (light: no torch here), at the versions in constraints.txt.
+$(VENV)/.done: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_QUIET) -e '.[dev]'
+	$(PY) -m pip install $(PIP_QUIET) -c constraints.txt -e '.[dev]'
 	touch $@
 
 # The real vLLM CPU build (pins torch==2.13.0+cpu, which pip takes from the machine's wheel folder),

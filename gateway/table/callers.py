@@ -336,7 +336,7 @@ class CallerSync:
                 progressed()  # subscribed and listening: this loop works
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     def _dropped(self, exc: Exception) -> None:
         if self.reachable:

@@ -156,7 +156,7 @@ async def _sentinel_master(target: RedisTarget, answer_within: float | None) -> 
         sentinel_kwargs["username"] = target.sentinel_username
     if target.sentinel_password:
         sentinel_kwargs["password"] = target.sentinel_password
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]
     # Closed from this copy: redis-py moves the sentinel that answered to the front of its own list, and
     # two lookups racing can leave one client twice in it and another not at all (never closed).
     clients = list(sentinel.sentinels)

@@ -71,4 +71,4 @@ class ReplicaHints:
                 task.cancel()
             self._hinted.clear()
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

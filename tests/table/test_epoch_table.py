@@ -276,7 +276,7 @@ async def test_record_loaded_hints_with_the_prefix_it_is_given(table: EpochTable
         while message is None:
             message = await pubsub.get_message(timeout=1.0)
     assert message["data"] == b"rep-hint/http://r1"
-    await pubsub.aclose()  # type: ignore[no-untyped-call]
+    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 async def test_kvgate_script_prints_what_redis_runs_as_is(
@@ -311,7 +311,7 @@ async def test_mutations_are_logged_and_replica_changes_hinted(table: EpochTable
             message = await pubsub.get_message(timeout=1.0)
     assert message["data"] == b"replica:http://r1"
     assert await pubsub.get_message(timeout=0.3) is None  # the table's changes go to the log, not here
-    await pubsub.aclose()  # type: ignore[no-untyped-call]
+    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
     entries = await logged(redis)
     assert [(e[b"id"], e[b"action"], e[b"epoch"]) for _, e in entries] == [
         (b"tenant-42", b"publish", b"1"),
