@@ -38,6 +38,7 @@ from tests.support.stub_backend import StubState, build_stub
 
 TOKEN = "workers-admin-token"
 ADMIN = {"x-kvgate-admin-token": TOKEN}
+APPLIED_PUBLISH = 'kvgate_table_log_entries_total{action="publish"}'
 MAX_STREAMS = 24  # streams opened one by one until each worker holds one (both at 1 in 2**23 by chance)
 
 
@@ -143,6 +144,12 @@ async def test_two_workers_serve_a_later_publish_and_metrics_sum_both(
         owner = json.loads((data / "redis" / "owner.lock").read_text() or "{}")
         assert owner.get("pid") == served.process.pid, "the parent owns the embedded Redis"
         name = await publish(data, stub_url, "tenant-42", make_adapter(b"v1"))  # after both started
+
+        async def both_applied() -> bool:  # each worker follows the change log on its own
+            pages = await asyncio.gather(served.own(0, "/metrics"), served.own(1, "/metrics"))
+            return all(sample(page, APPLIED_PUBLISH) >= 1 for page in pages)
+
+        await eventually(both_applied, "both workers applied the publish")
         series = 'kvgate_requests_total{logical_id="tenant-42",outcome="200"}'
         sent, answered = 0, set[int]()
         while len(answered) < 2 and sent < 400:  # new connections until both workers served some

@@ -66,7 +66,7 @@ async def test_a_stream_through_b_survives_a_publish_and_sweep_by_a(gateway: Gat
 
 
 async def test_an_eviction_waits_for_an_adapter_another_kvgate_is_using(
-    gateway: Gateway, publish: Any
+    gateway: Gateway, publish: Any, redis: Redis
 ) -> None:
     state = StubState(chunks=10, chunk_delay=0.1)
     a, b = await publish("tenant-a", b"a"), await publish("tenant-b", b"b")
@@ -79,6 +79,12 @@ async def test_an_eviction_waits_for_an_adapter_another_kvgate_is_using(
     ):
         stream = await api_b.completions.create(model="tenant-a", prompt="p", max_tokens=10, stream=True)
         texts = [(await anext(aiter(stream))).choices[0].text]
+
+        async def leased() -> bool:  # B's first lease is written beside its request (one round trip)
+            fields = await redis.hkeys(keys.leases(stub))  # name|gateway-id
+            return any(field.split(b"|")[0] == a.encode() for field in fields)
+
+        await eventually(leased, "B's lease on tenant-a is in Redis")
         needs_room = asyncio.create_task(api_a.completions.create(model="tenant-b", prompt="p", max_tokens=1))
         async for chunk in stream:
             texts.append(chunk.choices[0].text)
