@@ -22,6 +22,7 @@ from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.leases import LeaseTable
 from gateway.table.redis_server import EmbeddedRedis
+from gateway.table.replies import as_text
 from tests.support.conditions import eventually, until_healthy
 from tests.support.stub_backend import StubState, build_stub
 
@@ -82,7 +83,7 @@ async def test_an_eviction_waits_for_an_adapter_another_kvgate_is_using(
 
         async def leased() -> bool:  # B's first lease is written beside its request (one round trip)
             fields = await redis.hkeys(keys.leases(stub))  # name|gateway-id
-            return any(field.split(b"|")[0] == a.encode() for field in fields)
+            return any(as_text(field).split("|")[0] == a for field in fields)
 
         await eventually(leased, "B's lease on tenant-a is in Redis")
         needs_room = asyncio.create_task(api_a.completions.create(model="tenant-b", prompt="p", max_tokens=1))
