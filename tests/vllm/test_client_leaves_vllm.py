@@ -2,7 +2,9 @@
 
 Read from the replicas' ``/metrics``: ``vllm:prompt_tokens_total`` grows by one prompt per request that
 reaches a replica (so a duplicate shows), ``vllm:generation_tokens_total`` by the tokens generated, and
-``vllm:request_success_total`` counts requests that ran to their end (an aborted one is not counted).
+``vllm:request_success_total`` counts finished requests by ``finished_reason``: those that ran to their end
+(``stop``, ``length``) are ``completed``; an aborted one is counted there too, as ``abort``, when vLLM's
+engine reports the abort before its front end has dropped the request (a race), so it is left out.
 Requests ask the base model for 1,000 tokens, ignoring EOS, so a generation that is not stopped runs
 to its end.
 """
@@ -31,14 +33,19 @@ METRICS = {
 }
 
 
+RAN_TO_ITS_END = ('finished_reason="stop"', 'finished_reason="length"')
+
+
 async def vllm_counts(http: aiohttp.ClientSession, replicas: list[VllmProcess]) -> Counter[str]:
-    """The metrics above, summed over every replica."""
+    """The metrics above, summed over every replica (``completed``: requests that ran to their end)."""
     counts: Counter[str] = Counter()
     for replica in replicas:
         async with http.get(f"{replica.url}/metrics") as response:
             text = await response.text()
         for line in text.splitlines():
             name = line.split("{", 1)[0]
+            if name == "vllm:request_success_total" and not any(label in line for label in RAN_TO_ITS_END):
+                continue
             if name in METRICS:
                 counts[METRICS[name]] += int(float(line.rsplit(" ", 1)[1]))
     return counts

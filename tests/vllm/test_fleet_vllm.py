@@ -30,6 +30,7 @@ from gateway.fleet.backends import fetch_model_list
 from gateway.process.http_edge import free_port
 from gateway.proof.experiment import complete
 from gateway.settings.flags import flag
+from gateway.table import keys
 from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import swap_back, swap_bytes
@@ -124,17 +125,31 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
             kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, b),
         ):
 
-            def deferred() -> float:
-                labels = {"replica": replica.url, "reason": "leased"}
+            def deferred(reason: str = "leased") -> float:
+                labels = {"replica": replica.url, "reason": reason}
                 value = gateway_a.metrics.registry.get_sample_value(DEFERRED, labels)
                 return value or 0.0
+
+            async def deferral(what: str) -> None:
+                """Wait until A's sweep puts off an unload for B's lease; on failure, say what A saw."""
+                before = deferred()
+                try:
+                    await eventually(lambda: deferred() > before, what)
+                except pytest.fail.Exception:
+                    headers = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
+                    async with http.get(f"{gateway_a.url}/kvgate/status", headers=headers) as response:
+                        seen = [r for r in (await response.json())["replicas"] if r["url"] == replica.url]
+                    held = await redis.hgetall(keys.leases(replica.url))
+                    others = {reason: deferred(reason) for reason in ("claimed", "unloading")}
+                    pytest.fail(f"{what}: A's view of the replica {seen}, its other deferrals {others}, "
+                                f"the replica's leases in Redis {held}, B's exit {b.returncode}")  # fmt: skip
 
             started = asyncio.Event()
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
             await asyncio.wait_for(started.wait(), 60)
             with paused_engine(replica.pid):
                 await table.rollback("fleet-a", v2["digest"], v2["base"])
-                await eventually(lambda: deferred() >= 1, "A's sweep puts off unloading v1: B leases it")
+                await deferral("A's sweep puts off unloading v1: B leases it")
                 assert not stream.done(), "the engine is paused: B's stream is in flight"
                 assert v1["name"] in await loaded(http, replica), "A left v1 to B's stream"
             chunks, broke = await stream
@@ -153,9 +168,8 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
                 name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
             )
             with paused_engine(replica.pid):
-                before = deferred()
                 await table.rollback("fleet-a", v1["digest"], v1["base"])
-                await eventually(lambda: deferred() > before, "A's sweep puts off unloading v2: B leases it")
+                await deferral("A's sweep puts off unloading v2: B leases it")
                 assert not stream.done(), "B still streams on v2"
                 assert v2_name in await loaded(http, replica), "B's lease holds v2 while B lives"
                 b.send_signal(signal.SIGKILL)
