@@ -33,8 +33,11 @@ and its own, the holder's audits (when this worker holds it), its state.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +61,8 @@ ABORTING = (INCOHERENT, MISMATCH)
 ERROR_RATE = "error-rate"
 FAILING = "failing"
 LEASE_INTERVALS = 3
-"""A gate's lease lasts this many intervals: its holder renews it at every tick, so only a holder that
-died (or hangs) loses it, and an audit round may take up to this long without a second gate starting."""
+"""A gate's lease lasts this many intervals: its holder renews it at every tick, and at the same pace while
+its audit round runs (a round may take longer), so only a holder that died (or hangs) loses it."""
 
 
 def tick_of(interval: float) -> float:
@@ -140,18 +143,42 @@ class Gate:
         if await self._judge_figures(state, figures) or not turn.due:
             return
         headers = {AUDIT_HEADER: f"{self.shared.gateway_id} round {turn.round_ms}"}
-        verdicts = await self._audit(candidate, headers)
-        suspects = {v.replica for v in verdicts if v.verdict in ABORTING}
-        if suspects:  # confirmed by a second audit right away, before anything is quarantined
-            for v in (v for v in verdicts if v.replica in suspects):
-                log.warning("rollout gate: %s's candidate is %s on %s (auditing it again): %s",
-                            logical_id, v.verdict, v.replica, v.detail)  # fmt: skip
+        async with self._holding(logical_id, digest):
             verdicts = await self._audit(candidate, headers)
+            suspects = {v.replica for v in verdicts if v.verdict in ABORTING}
+            if suspects:  # confirmed by a second audit right away, before anything is quarantined
+                for v in (v for v in verdicts if v.replica in suspects):
+                    log.warning("rollout gate: %s's candidate is %s on %s (auditing it again): %s",
+                                logical_id, v.verdict, v.replica, v.detail)  # fmt: skip
+                verdicts = await self._audit(candidate, headers)
         failed = [v for v in verdicts if v.verdict in ABORTING and v.replica in suspects]
         if failed:
             self.canary.quarantine_faults(failed)  # no request goes to that copy meanwhile
             why = f"{failed[0].verdict} on {failed[0].replica}: {failed[0].detail}"
             await self._abort(state, failed[0].verdict, why)
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, logical_id: str, digest: str) -> AsyncIterator[None]:
+        """This worker's lease on the gate, renewed every tick while its audit round runs: its ticks wait
+        for the round, which may outlast the lease, and another kvgate would take the gate over mid-round."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(tick_of(self.shared.interval_ms / 1000))
+                try:
+                    if not await self.shared.renew(logical_id, digest):
+                        log.warning("rollout gate: %s's gate was taken over during its audit", logical_id)
+                        return
+                except (KvgateError, *REDIS_DOWN) as exc:
+                    log.warning("rollout gate: could not renew %s's gate while auditing: %s", logical_id, exc)
+
+        renewing = asyncio.create_task(renew())
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
 
     async def stop(self) -> None:
         """This worker stops: what it counted is shared, and every gate it holds let go of (the next

@@ -2,8 +2,9 @@
 
 **One gate per rollout per interval.** Every worker of every kvgate runs the gate's ticks, and at each one
 asks for the rollout's turn (``lua/take_gate_turn.lua``): the first to ask holds a lease on it
-(``kvg:{ID}:gate:DIGEST``), renewed by its own asks, and only the holder judges and audits; the lease of a
-holder that stopped asking (it died, or hangs) expires after ``ttl_ms`` and the next asker takes it. The
+(``kvg:{ID}:gate:DIGEST``), renewed by its own asks (and, while its audit round runs, by
+``lua/renew_gate.lua``), and only the holder judges and audits; the lease of a holder that stopped asking
+(it died, or hangs) expires after ``ttl_ms`` and the next asker takes it. The
 start of the last audit round is kept beside the holder, so an audit round is due at most once per
 interval, fleet-wide, across a take-over too.
 
@@ -61,6 +62,14 @@ class GateTable:
             now=self.table.clock(), ttl_ms=self.ttl_ms, interval_ms=self.interval_ms,
         )  # fmt: skip
         return Turn(holder, code is not Code.LEASED, code is Code.CHANGED, until, round_ms)
+
+    async def renew(self, logical_id: str, digest: str) -> bool:
+        """Keep this gateway's lease on the rollout's gate while it audits (no round asked for); False
+        when it no longer holds it."""
+        return await self.table.scripts.renew_gate(
+            logical_id, digest, self.gateway_id,
+            now=self.table.clock(), ttl_ms=self.ttl_ms, interval_ms=self.interval_ms,
+        )  # fmt: skip
 
     async def release(self, logical_id: str, digest: str) -> bool:
         """Let go of the rollout's gate if this gateway holds it (it stops): the next asker takes it."""

@@ -400,7 +400,7 @@ class Scripts:
         raise_for(code, logical_id, digest)
         return Change(changed=True, epoch=int(epoch), digest=as_text(aborted))
 
-    # --- the rollout gate: lua/take_gate_turn, release_gate, add_rollout_counts -------------------------
+    # --- the rollout gate: lua/take_gate_turn, renew_gate, release_gate, add_rollout_counts -------------
 
     async def take_gate_turn(
         self, logical_id: str, digest: str, gateway_id: str, *, now: int, ttl_ms: int, interval_ms: int
@@ -414,6 +414,16 @@ class Scripts:
             [gateway_id, now, ttl_ms, interval_ms],
         )
         return code_of(code), as_text(holder, "replace"), int(until), int(round_ms)
+
+    async def renew_gate(
+        self, logical_id: str, digest: str, gateway_id: str, *, now: int, ttl_ms: int, interval_ms: int
+    ) -> bool:
+        """GATEWAY_ID, auditing, keeps the gate of LOGICAL_ID's rollout of DIGEST for TTL_MS more, asking
+        for no round; False: it does not hold it (nothing written)."""
+        code = await self.run(
+            "renew_gate", [keys.rollout_gate(logical_id, digest)], [gateway_id, now, ttl_ms, interval_ms]
+        )
+        return code_of(code) is Code.CHANGED
 
     async def release_gate(self, logical_id: str, digest: str, gateway_id: str) -> bool:
         """GATEWAY_ID lets go of the gate of LOGICAL_ID's rollout of DIGEST; False: it did not hold it."""

@@ -86,6 +86,21 @@ async def test_a_take_over_keeps_the_fleets_interval_and_a_stopping_holder_lets_
     assert (other.mine, other.due) == (True, True), "another rollout (candidate digest) has a gate of its own"
 
 
+async def test_only_the_holder_renews_its_lease_and_a_renewal_starts_no_round(redis: Redis) -> None:
+    clock = Clock()
+    a, b = gates(redis, clock, "gw-a", "gw-b")
+    first = await a.take_turn(ID, DIGEST)
+    clock.ms += TTL_MS + INTERVAL_MS  # an audit round longer than the lease: a renews as it runs
+    assert await a.renew(ID, DIGEST)
+    holder = await read_holder(a.table, ID, DIGEST)
+    assert holder is not None
+    assert (holder.holder, holder.until_ms, holder.round_ms) == ("gw-a", clock.ms + TTL_MS, first.round_ms)
+    assert not (await b.take_turn(ID, DIGEST)).mine, "renewed: b waits"
+    before = await redis.hgetall(keys.rollout_gate(ID, DIGEST))
+    assert not await b.renew(ID, DIGEST), "b holds nothing to renew"
+    assert await redis.hgetall(keys.rollout_gate(ID, DIGEST)) == before, "and wrote nothing"
+
+
 ADD = """
 import asyncio, sys
 from redis.asyncio import Redis

@@ -126,6 +126,7 @@ CALLS = {
     ),
     "ensure_generation": Call("ensure_generation", [keys.GENERATION], ["new-generation"], setup="empty"),
     "take_gate_turn": Call("take_gate_turn", [GATE], ["gw-a", now(), 3_000, 1_000]),
+    "renew_gate": Call("renew_gate", [GATE], ["gw-a", now(), 5_000, 1_000], setup="gated"),
     "release_gate": Call("release_gate", [GATE], ["gw-a"], setup="gated"),
     "add_rollout_counts": Call(
         "add_rollout_counts",
