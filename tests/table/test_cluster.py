@@ -188,6 +188,7 @@ async def locks_and_replica_records(table: EpochTable, tenants: list[str]) -> No
     for tenant in tenants:  # a rollout's gate and its fleet-wide counts live in its ID's slot
         gate = GateTable(table, "gw-a", ttl_ms=60_000, interval_ms=1_000)
         assert (await gate.take_turn(tenant, candidate)).due
+        assert await gate.renew(tenant, candidate)
         await gate.add(tenant, candidate, {"candidate": VersionFigures(requests=2, errors=1)})
         assert (await read_counts(table, tenant, candidate))["candidate"] == VersionFigures(
             requests=2, errors=1

@@ -162,7 +162,7 @@ async def test_the_app_re_seeds_its_keys_after_flushall(
         async def key_back() -> bool:
             return bool(await redis.hexists(keys.CALLERS, key_hash(key)[: keys.KEY_ID_LENGTH]))
 
-        await eventually(key_back, "the key table re-seeded", 5)
+        await eventually(key_back, "the key table re-seeded", 30)  # 0.1 s syncs; a bound against a hang
         for _ in range(5):  # every re-read since (each 0.1 s) keeps it
             assert await models_status(http, started.url, key) == 200
             await asyncio.sleep(0.1)

@@ -52,7 +52,8 @@ async def kvgate_process(
     command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--redis-url", redis_url,
                "--store", str(store), *urls, *fast]  # fmt: skip
     env = {**os.environ, "KVGATE_ADMIN_TOKEN": ADMIN_TOKEN}
-    process = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
+    with (store.parent / "kvgate-b.log").open("wb") as log:  # read back when a test fails (``b_said``)
+        process = await asyncio.create_subprocess_exec(*command, env=env, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     async def healthy() -> bool:
@@ -140,9 +141,13 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
                     async with http.get(f"{gateway_a.url}/kvgate/status", headers=headers) as response:
                         seen = [r for r in (await response.json())["replicas"] if r["url"] == replica.url]
                     held = await redis.hgetall(keys.leases(replica.url))
-                    others = {reason: deferred(reason) for reason in ("claimed", "unloading")}
-                    pytest.fail(f"{what}: A's view of the replica {seen}, its other deferrals {others}, "
-                                f"the replica's leases in Redis {held}, B's exit {b.returncode}")  # fmt: skip
+                    unloads = {s.labels["reason"]: s.value for m in gateway_a.metrics.registry.collect()
+                               for s in m.samples if s.name == "kvgate_adapter_unloads_total"}  # fmt: skip
+                    b_log = (tmp_path / "kvgate-b.log").read_text(errors="replace").splitlines()
+                    said = [line for line in b_log if "fleet-a" in line or "lease" in line][-20:]
+                    pytest.fail(f"{what}: A's view of the replica {seen}, its other deferrals "
+                                f"{deferred('unloading')}, its unloads {unloads}, the replica's leases in "
+                                f"Redis {held}, B's exit {b.returncode}, B said {said}")  # fmt: skip
 
             started = asyncio.Event()
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
