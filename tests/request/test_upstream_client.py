@@ -96,9 +96,9 @@ async def test_idle_connections_are_closed_after_the_idle_time(monkeypatch: pyte
             await answer.read()
             answer.release()
         assert len(upstream.idle[stub]) == 2
-        await eventually(lambda: stub not in upstream.idle, "both out of the pool once idle", 2)
+        await eventually(lambda: stub not in upstream.idle, "both out of the pool once idle", 10)
         await eventually(  # a closed transport tells its protocol on a later turn of the loop
-            lambda: all(answer.transport is None for answer in answers), "both connections closed", 2
+            lambda: all(answer.transport is None for answer in answers), "both connections closed", 10
         )
     upstream.close()
 
