@@ -30,6 +30,7 @@ METRICS = {
     "vllm:generation_tokens_total": "generated",
     "vllm:request_success_total": "completed",
     "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
 }
 
 
@@ -58,7 +59,9 @@ async def settled(
     replicas' counts once that request shows in them.
 
     vLLM counts a request in ``/metrics`` a moment after it answered it: counts read at once can miss it,
-    and it would then show as a request of the test that reads them next.
+    and it would then show as a request of the test that reads them next. Nothing may wait either: a
+    request an earlier test left queued on a replica (``waiting``, not ``running``) would end later, counted
+    as this test's (a fresh-clone run saw ``completed`` 1 and a request that never ran within 30 s).
     """
     start = await vllm_counts(http, replicas)
     body = {"model": "base", "prompt": PROMPT, "max_tokens": 1}
@@ -69,9 +72,9 @@ async def settled(
     async def counted() -> bool:
         nonlocal now
         now = await vllm_counts(http, replicas)
-        return now["completed"] > start["completed"] and now["running"] == 0
+        return now["completed"] > start["completed"] and now["running"] == now["waiting"] == 0
 
-    await eventually(counted, "the one-token request counted as completed", within=30.0)
+    await eventually(counted, "the one-token request counted, nothing running or waiting", within=60.0)
     return tokens, now
 
 
@@ -84,7 +87,8 @@ async def after_it_stopped(
     async def stopped() -> bool:
         nonlocal now
         now = await vllm_counts(http, replicas)
-        return now["prompt_tokens"] - before["prompt_tokens"] >= prompt and now["running"] == 0
+        idle = now["running"] == now["waiting"] == 0
+        return now["prompt_tokens"] - before["prompt_tokens"] >= prompt and idle
 
     await eventually(stopped, "the request reached vLLM and nothing runs", within=60.0)
     return Counter({key: now[key] - before[key] for key in ("prompt_tokens", "generated", "completed")})
