@@ -103,6 +103,13 @@ async def publish(logical_id: str, adapter: Path, redis_server: EmbeddedRedis, s
     return await kvgate_json("publish", logical_id, str(adapter), redis_url=redis_server.url, store=store)
 
 
+def ended(stream: asyncio.Task[tuple[int, bool]]) -> str:
+    """How a stream task stands, for a failure message."""
+    if not stream.done():
+        return "still running"
+    return f"ended: {stream.exception()!r}" if stream.exception() else f"ended: {stream.result()}"
+
+
 async def loaded(http: aiohttp.ClientSession, replica: VllmProcess) -> dict[str, str]:
     return (await fetch_model_list(http, replica.url)).adapters
 
@@ -134,6 +141,8 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
                 value = gateway_a.metrics.registry.get_sample_value(DEFERRED, labels)
                 return value or 0.0
 
+            notes: list[str] = []  # what the replica's leases were as each stream began
+
             async def deferral(what: str) -> None:
                 """Wait until A's sweep puts off an unload for B's lease; on failure, say what A saw."""
                 before = deferred()
@@ -147,14 +156,17 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
                     unloads = {s.labels["reason"]: s.value for m in gateway_a.metrics.registry.collect()
                                for s in m.samples if s.name == "kvgate_adapter_unloads_total"}  # fmt: skip
                     b_log = (tmp_path / "kvgate-b.log").read_text(errors="replace").splitlines()
-                    said = [line for line in b_log if "fleet-a" in line or "lease" in line][-20:]
+                    said = [line for line in b_log if "aiohttp.access" not in line and (
+                        "fleet-a" in line or "lease" in line or " INFO " not in line)][-30:]  # fmt: skip
                     pytest.fail(f"{what}: A's view of the replica {seen}, its other deferrals "
                                 f"{deferred('unloading')}, its unloads {unloads}, the replica's leases in "
-                                f"Redis {held}, B's exit {b.returncode}, B said {said}")  # fmt: skip
+                                f"Redis {held}, {notes}, B's stream {ended(stream)}, "
+                                f"B's exit {b.returncode}, B said {said}")  # fmt: skip
 
             started = asyncio.Event()
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
             await asyncio.wait_for(started.wait(), 60)
+            notes.append(f"leases as the first stream began {await redis.hgetall(keys.leases(replica.url))}")
             with paused_engine(replica.pid):
                 await table.rollback("fleet-a", v2["digest"], v2["base"])
                 await deferral("A's sweep puts off unloading v1: B leases it")
@@ -172,6 +184,7 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
             second = asyncio.Event()  # now B streams on v2, v1 comes back, and B dies mid-stream
             stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, second))
             await asyncio.wait_for(second.wait(), 60)
+            notes.append(f"leases as the second stream began {await redis.hgetall(keys.leases(replica.url))}")
             v2_name = next(
                 name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
             )
