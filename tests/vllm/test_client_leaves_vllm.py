@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import aiohttp
 import pytest
 
 from gateway.dev.vllm_process import VllmProcess
 from tests.support.conditions import eventually
+from tests.support.engine_pause import EngineThrottle
 from tests.vllm.conftest import ADMIN_TOKEN, Gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -35,6 +38,16 @@ METRICS = {
 
 
 RAN_TO_ITS_END = ('finished_reason="stop"', 'finished_reason="length"')
+
+
+@contextmanager
+def slowed(replicas: list[VllmProcess]) -> Iterator[None]:
+    """Every replica's engine slowed (``EngineThrottle``) while a client comes and goes: 1,000 tokens take
+    about a second at full speed, less than a busy test may take to see the request run or to leave."""
+    with ExitStack() as throttles:
+        for replica in replicas:
+            throttles.enter_context(EngineThrottle(replica.pid))
+        yield
 
 
 async def vllm_counts(http: aiohttp.ClientSession, replicas: list[VllmProcess]) -> Counter[str]:
@@ -114,10 +127,11 @@ async def test_a_client_that_closes_a_stream_stops_one_generation_and_nothing_el
     prompt, before = await settled(http, gateway, vllm_replicas)
     retries_before = await retries(http, gateway)
     async with aiohttp.ClientSession() as client:
-        response = await client.post(f"{gateway.url}/v1/completions", json=LONG | {"stream": True})
-        assert response.status == 200
-        await response.content.readuntil(b"\n\n")
-        response.close()  # the client leaves mid-stream
+        with slowed(vllm_replicas):
+            response = await client.post(f"{gateway.url}/v1/completions", json=LONG | {"stream": True})
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")
+            response.close()  # the client leaves mid-stream
     since = await after_it_stopped(http, vllm_replicas, before, prompt)
     assert since["prompt_tokens"] == prompt  # one request reached a replica: none was sent again
     assert since["completed"] == 0  # it did not run to its end...
@@ -131,15 +145,16 @@ async def test_a_client_that_leaves_a_pending_request_stops_its_generation(
 ) -> None:
     prompt, before = await settled(http, gateway, vllm_replicas)
     async with aiohttp.ClientSession() as client:
-        pending = asyncio.ensure_future(client.post(f"{gateway.url}/v1/completions", json=LONG))
+        with slowed(vllm_replicas):
+            pending = asyncio.ensure_future(client.post(f"{gateway.url}/v1/completions", json=LONG))
 
-        async def generating() -> bool:
-            return (await vllm_counts(http, vllm_replicas))["running"] > 0
+            async def generating() -> bool:
+                return (await vllm_counts(http, vllm_replicas))["running"] > 0
 
-        await eventually(generating, "the request runs on a replica", within=30.0)
-        pending.cancel()  # the client gives up and closes its connection, the answer still pending
-        with pytest.raises(asyncio.CancelledError):
-            await pending
+            await eventually(generating, "the request runs on a replica", within=30.0)
+            pending.cancel()  # the client gives up and closes its connection, the answer still pending
+            with pytest.raises(asyncio.CancelledError):
+                await pending
     since = await after_it_stopped(http, vllm_replicas, before, prompt)
     assert since["prompt_tokens"] == prompt
     assert since["generated"] < 1000, since  # it was stopped...

@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,13 @@ from gateway.table.epoch_table import EpochTable
 from gateway.table.redis_server import EmbeddedRedis
 from tests.support.adapter_files import swap_back, swap_bytes
 from tests.support.conditions import STARTS_WITHIN_S, eventually
-from tests.support.engine_pause import paused_engine
+from tests.support.engine_pause import EngineThrottle
 from tests.vllm.conftest import ADMIN_TOKEN, GatewayFactory, kvgate_json, post_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 FAST = {"reconcile_interval": 0.2, "poll_interval": 0.2, "drain_grace": 0.3, "lease_ttl": 10.0}
-"""Fast polls and sweeps, the leases' default time to live: at 2 s, on a machine loaded by four busy loops,
-A's sweep found no live lease on the adapter a live B streamed on, and unloaded it (A counted the unload
-as ``retired``; Redis then held no lease): B's heartbeats, every quarter of the time to live, were late."""
+"""Fast polls and sweeps, the leases' default time to live: B's workers were seen here with Redis reads
+timing out (the 5 s ``redis_timeout``) on a loaded machine, and a 2 s lease lapses across one such read."""
 
 
 @asynccontextmanager
@@ -80,14 +79,23 @@ DEFERRED = "kvgate_adapter_unloads_deferred_total"
 
 
 async def long_stream(
-    http: aiohttp.ClientSession, url: str, model: str, replica: VllmProcess, started: asyncio.Event
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    replica: VllmProcess,
+    paused: ExitStack,
+    began: asyncio.Event,
 ) -> tuple[int, bool]:
     """A streamed completion of ``STREAM_TOKENS`` tokens through ``url`` pinned to ``replica``: (the
-    completion tokens its final usage reports, whether an error event came)."""
+    completion tokens its final usage reports, whether an error event came). The replica's engine runs
+    slowed (``EngineThrottle``) from the request on and is held still at the first chunk (``paused``: the
+    test resumes it by closing that stack): the stream stays in flight for certain. At full speed a busy
+    test could read the first chunk after the whole stream ran (seen: ``(1000, False)`` before a pause)."""
     body = {"model": model, "prompt": "Count the boats:", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
     generated, broke = 0, False
+    throttle = paused.enter_context(EngineThrottle(replica.pid))
     async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
@@ -95,12 +103,25 @@ async def long_stream(
                 chunk = json.loads(line[len(b"data: ") :])
                 broke = broke or "error" in chunk
                 generated = (chunk.get("usage") or {}).get("completion_tokens", generated)
-                started.set()
+                if not began.is_set():
+                    throttle.hold()  # no await between the chunk and the hold
+                    began.set()
     return generated, broke
 
 
 async def publish(logical_id: str, adapter: Path, redis_server: EmbeddedRedis, store: Path) -> dict[str, str]:
     return await kvgate_json("publish", logical_id, str(adapter), redis_url=redis_server.url, store=store)
+
+
+async def until_paused(began: asyncio.Event, stream: asyncio.Task[tuple[int, bool]]) -> None:
+    """Wait for ``long_stream``'s first chunk, at which it paused the replica's engine."""
+
+    def first_chunk() -> bool:
+        if stream.done():
+            pytest.fail(f"the stream ended before its first chunk: {ended(stream)}")
+        return began.is_set()
+
+    await eventually(first_chunk, "B's stream sends its first chunk", within=60)
 
 
 def ended(stream: asyncio.Task[tuple[int, bool]]) -> str:
@@ -163,11 +184,13 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
                                 f"Redis {held}, {notes}, B's stream {ended(stream)}, "
                                 f"B's exit {b.returncode}, B said {said}")  # fmt: skip
 
-            started = asyncio.Event()
-            stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, started))
-            await asyncio.wait_for(started.wait(), 60)
-            notes.append(f"leases as the first stream began {await redis.hgetall(keys.leases(replica.url))}")
-            with paused_engine(replica.pid):
+            with ExitStack() as paused:  # the engine slowed, held at B's first chunk, resumed on leaving
+                began = asyncio.Event()
+                stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, paused, began))
+                await until_paused(began, stream)
+                notes.append(
+                    f"leases as the first stream began {await redis.hgetall(keys.leases(replica.url))}"
+                )
                 await table.rollback("fleet-a", v2["digest"], v2["base"])
                 await deferral("A's sweep puts off unloading v1: B leases it")
                 assert not stream.done(), "the engine is paused: B's stream is in flight"
@@ -181,14 +204,16 @@ async def test_a_stream_through_b_survives_a_version_change_and_sweep_by_a_and_d
             # A unloads v1 once B's lease on it ends: done before the engine is paused again, or that
             # unload would wait on the paused engine and hold A's sweep
             await eventually(v1_gone, "A unloads the retired v1 once B's stream ended", within=60)
-            second = asyncio.Event()  # now B streams on v2, v1 comes back, and B dies mid-stream
-            stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, second))
-            await asyncio.wait_for(second.wait(), 60)
-            notes.append(f"leases as the second stream began {await redis.hgetall(keys.leases(replica.url))}")
-            v2_name = next(
-                name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
-            )
-            with paused_engine(replica.pid):
+            with ExitStack() as paused:  # now B streams on v2, v1 comes back, and B dies mid-stream
+                began = asyncio.Event()
+                stream = asyncio.create_task(long_stream(http, url_b, "fleet-a", replica, paused, began))
+                await until_paused(began, stream)
+                notes.append(
+                    f"leases as the second stream began {await redis.hgetall(keys.leases(replica.url))}"
+                )
+                v2_name = next(
+                    name for name in await loaded(http, replica) if name != v1["name"] and "fleet-a@" in name
+                )
                 await table.rollback("fleet-a", v1["digest"], v1["base"])
                 await deferral("A's sweep puts off unloading v2: B leases it")
                 assert not stream.done(), "B still streams on v2"
@@ -220,11 +245,11 @@ async def test_an_eviction_never_takes_the_adapter_b_streams_on(
         make_gateway(**FAST, max_adapters_per_replica=1, slot_wait_timeout=0.5) as gateway_a,
         kvgate_process(vllm_replicas, redis_url, store, http) as (url_b, _),
     ):
-        started = asyncio.Event()
-        stream = asyncio.create_task(long_stream(http, url_b, "budget-a", replica, started))
-        await asyncio.wait_for(started.wait(), 60)
         headers = {PIN_HEADER: replica.url, ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
-        with paused_engine(replica.pid):  # B's stream stays in flight while A waits for a slot
+        with ExitStack() as paused:  # B's stream stays in flight while A waits for a slot
+            began = asyncio.Event()
+            stream = asyncio.create_task(long_stream(http, url_b, "budget-a", replica, paused, began))
+            await until_paused(began, stream)
             ask = complete(http, gateway_a.url, "budget-b", "p", max_tokens=1, headers=headers)
             with pytest.raises(AuditError) as full:  # budget full, its one adapter in use by B
                 await asyncio.wait_for(ask, 60)  # an eviction's unload would wait on the paused engine
