@@ -87,7 +87,8 @@ async def kept_indexer(
                 try:
                     await asyncio.wait_for(process.wait(), STOP_WAIT_S)
                 except TimeoutError:
-                    process.kill()
+                    with contextlib.suppress(ProcessLookupError):  # it may end between the two
+                        process.kill()
                     await process.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(page)
