@@ -67,12 +67,12 @@ def s3_server(log: Path) -> Iterator[S3Server]:
         )
     server = S3Server(f"http://127.0.0.1:{port}", process, log)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
-            try:
-                with urllib.request.urlopen(f"{server.endpoint}/", timeout=2):
+            try:  # moto imports its S3 backend on the first request: seconds on a busy machine
+                with urllib.request.urlopen(f"{server.endpoint}/", timeout=10):
                     break
-            except (urllib.error.URLError, ConnectionError):
+            except OSError:  # refused, reset, a read timing out (URLError is one too)
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}") from None
                 time.sleep(0.1)
