@@ -760,7 +760,7 @@ class Run:
         specs = [
             VllmReplicaSpec(self.args.vllm_python, self.args.fixture_dir / "model", free_port(),
                             self.work / f"vllm-{i}.log", max_loras=8, max_cpu_loras=16,
-                            extra_args=kv_events_args())
+                            threads=self.args.vllm_threads, extra_args=kv_events_args())
             for i in (0, 1)
         ]  # fmt: skip
         print(
@@ -1528,6 +1528,9 @@ def main() -> None:
         type=int,
         default=10_000,
         help="requests to send (traffic goes on until every fault recovered)",
+    )
+    parser.add_argument(
+        "--vllm-threads", type=int, default=1, help="each replica's torch threads (OMP_NUM_THREADS)"
     )
     parser.add_argument("--kvgates", type=int, default=2, help="kvgate serve processes")
     parser.add_argument("--workers", type=int, default=2, help="each kvgate's --workers")

@@ -58,10 +58,10 @@ class VllmReplicaSpec:
     max_loras: int = 4
     max_cpu_loras: int = 8
     max_model_len: int = 1024
-    # torch's threads in the engine (OMP_NUM_THREADS). One: replicas here share 2 cores, and torch's
-    # default (a thread per core) in each made their OpenMP threads spin against each other: two
-    # replicas, 12 clients, chaos-like completions answered 2.1 per second at the default, 23 at one.
-    threads: int = 1
+    # torch's threads in the engine (OMP_NUM_THREADS; None: torch's default, a thread per core). Two
+    # replicas sharing 2 cores at the default spin against each other under load: 12 clients of chaos-like
+    # completions got 2.1 answers/s at the default, 23 at one thread (loadtest.chaos runs at one).
+    threads: int | None = None
     extra_args: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
@@ -102,7 +102,6 @@ class VllmReplicaSpec:
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                "OMP_NUM_THREADS": str(self.threads),
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "HF_DATASETS_OFFLINE": "1",
@@ -111,6 +110,8 @@ class VllmReplicaSpec:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         else:
