@@ -167,7 +167,7 @@ class VllmProcess:
             raise ReplicaStartError(f"replica on port {self._spec.port} was already started")
         spec = self._spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = spec.log_path.open("wb")
+        self._log = spec.log_path.open("ab")  # a restart adds to the log: what came before stays
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *spec.argv(),
@@ -191,26 +191,28 @@ class VllmProcess:
         assert proc is not None
         probe_timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
         models_url = f"{self.url}/v1/models"
-        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
-            while True:
-                if proc.returncode is not None:
-                    raise ReplicaStartError(
-                        f"vLLM on port {self._spec.port} exited with code {proc.returncode} while starting; "
-                        f"log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(models_url) as resp:
-                        if resp.status == 200:
-                            await resp.read()
-                            return
-                if time.monotonic() >= deadline:
-                    raise ReplicaStartError(
-                        f"vLLM on port {self._spec.port} not ready after {budget_s:.0f}s; "
-                        f"log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
-                    )
-                # Wake early if the process exits.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), _POLL_INTERVAL_S)
+        exited = asyncio.ensure_future(proc.wait())  # one waiter for the whole start, not one per probe
+        try:
+            async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+                while True:
+                    if proc.returncode is not None:
+                        raise ReplicaStartError(
+                            f"vLLM on port {self._spec.port} exited with code {proc.returncode} while "
+                            f"starting; log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
+                        )
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with session.get(models_url) as resp:
+                            if resp.status == 200:
+                                await resp.read()
+                                return
+                    if time.monotonic() >= deadline:
+                        raise ReplicaStartError(
+                            f"vLLM on port {self._spec.port} not ready after {budget_s:.0f}s; "
+                            f"log {self._spec.log_path}:\n{_log_tail(self._spec.log_path)}"
+                        )
+                    await asyncio.wait([exited], timeout=_POLL_INTERVAL_S)  # early if the process exits
+        finally:
+            exited.cancel()
 
     async def stop(self, grace: float = _STOP_GRACE_S) -> None:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds; safe to call more than once."""
