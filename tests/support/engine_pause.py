@@ -1,17 +1,26 @@
-"""Pause a real vLLM replica's engine (SIGSTOP to its ``EngineCore`` process) while its API server answers:
+"""Slow a real vLLM replica's engine to a crawl, then hold it still (SIGSTOP) while its API server answers:
 a stream through it stays in flight, unfinished, for as long as a test needs, with no timing to hope on.
 
-vLLM's API server answers ``/health``, ``/v1/models`` and ``/metrics`` without its engine, so kvgate keeps
-seeing the replica healthy; anything that needs the engine (a token, a load or an unload) waits."""
+vLLM 0.32's CPU build runs the API server, its ``VLLM::EngineCore`` (the scheduler) and, under the engine
+core, the worker that runs the model (``MultiprocExecutor``). Both engine processes are stopped and
+resumed together; the API server answers ``/health``, ``/v1/models`` and ``/metrics`` without them, so
+kvgate keeps seeing the replica healthy, and sees a client leave (the API server sends the abort to the
+engine core, which applies it when it runs again). Anything that needs the engine (a token, a load or an
+unload) waits.
+
+The signals come from a small process of their own (``_CYCLE``, at a higher priority), never from a thread
+of the test process: a test process holds its GIL for as long as it likes (a garbage collection of a
+pytest session, an in-process kvgate's work), and a throttling thread that waits for it leaves the engine
+running at full speed meanwhile (seen: a 1,000-token answer ended before a test saw it begin).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -29,70 +38,92 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _titled(pid: int, title: bytes) -> bool:
+    try:
+        return title in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def engine_pids(server_pid: int) -> list[int]:
-    """The engine-core processes under a vLLM server (titled ``VLLM::EngineCore`` by vLLM)."""
+    """The engine processes under a vLLM server: each ``VLLM::EngineCore`` and the processes under it (its
+    worker) but resource trackers."""
     engines = []
-    for pid in _descendants(server_pid):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"EngineCore" in title:
-            engines.append(pid)
+    for core in (pid for pid in _descendants(server_pid) if _titled(pid, b"EngineCore")):
+        engines += [core, *(pid for pid in _descendants(core) if not _titled(pid, b"resource_tracker"))]
     return engines
 
 
-@contextmanager
-def paused_engine(server_pid: int | None) -> Iterator[None]:
-    assert server_pid is not None, "the replica runs"
-    engines = engine_pids(server_pid)
-    assert engines, f"no EngineCore process under vLLM server {server_pid}"
-    for pid in engines:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in engines:
-            os.kill(pid, signal.SIGCONT)
+_CYCLE = """
+import os, select, signal, sys, time
+pids, run_s, period_s = [int(p) for p in sys.argv[1].split(",")], float(sys.argv[2]), float(sys.argv[3])
+os.nice(-10)
+def send(sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+send(signal.SIGSTOP)
+print("cycling", flush=True)
+while True:
+    ready, _, _ = select.select([sys.stdin], [], [], period_s - run_s)
+    if ready:
+        line = sys.stdin.readline()
+        if line == "hold\\n":
+            print("held", flush=True)
+            line = sys.stdin.readline()  # held until the test lets go
+        send(signal.SIGCONT)
+        break
+    send(signal.SIGCONT)
+    time.sleep(run_s)
+    send(signal.SIGSTOP)
+"""
+
+
+RUN_S, PERIOD_S = 0.005, 0.05
 
 
 class EngineThrottle:
-    """A real vLLM replica's engine slowed to a crawl, then held still: until ``hold``, a thread lets it run
-    ``RUN_S`` of every ``PERIOD_S`` (SIGCONT, then SIGSTOP); ``hold`` stops it there; leaving the block
-    resumes it. A 1,000-token stream takes about a second on an idle engine, less than a busy test process
-    may take to read its first chunk; slowed, it is still running when the test reacts to that chunk."""
+    """A real vLLM replica's engine slowed to a crawl, then held still: until ``hold``, a process of its own
+    lets it run ``run_s`` of every ``period_s`` (SIGCONT, then SIGSTOP); ``hold`` stops it there; leaving
+    the block resumes it. A 1,000-token stream takes about a second on an idle engine, less than a busy test
+    process may take to read its first chunk; slowed, it is still running when the test reacts to it."""
 
-    RUN_S, PERIOD_S = 0.005, 0.05
-
-    def __init__(self, server_pid: int | None) -> None:
+    def __init__(self, server_pid: int | None, run_s: float = RUN_S, period_s: float = PERIOD_S) -> None:
         assert server_pid is not None, "the replica runs"
+        self.run_s, self.period_s = run_s, period_s
         self.engines = engine_pids(server_pid)
         assert self.engines, f"no EngineCore process under vLLM server {server_pid}"
-        self._held = threading.Event()
-        self._thread = threading.Thread(target=self._cycle, name="engine-throttle", daemon=True)
-
-    def _signal(self, sig: signal.Signals) -> None:
-        for pid in self.engines:
-            os.kill(pid, sig)
-
-    def _cycle(self) -> None:
-        while not self._held.is_set():
-            self._signal(signal.SIGCONT)
-            time.sleep(self.RUN_S)
-            self._signal(signal.SIGSTOP)
-            self._held.wait(self.PERIOD_S - self.RUN_S)
+        self._cycler: subprocess.Popen[str] | None = None
 
     def hold(self) -> None:
         """Stop the engine and keep it stopped (until the block is left)."""
-        self._held.set()
-        self._thread.join()
-        self._signal(signal.SIGSTOP)
+        cycler = self._running()
+        assert cycler.stdin is not None
+        assert cycler.stdout is not None
+        cycler.stdin.write("hold\n")
+        cycler.stdin.flush()
+        assert cycler.stdout.readline() == "held\n", "the throttle holds the engine"
+
+    def _running(self) -> subprocess.Popen[str]:
+        assert self._cycler is not None, "the throttle runs (inside its with block)"
+        return self._cycler
 
     def __enter__(self) -> EngineThrottle:
-        self._thread.start()
+        pids = ",".join(map(str, self.engines))
+        argv = [sys.executable, "-c", _CYCLE, pids, str(self.run_s), str(self.period_s)]
+        self._cycler = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._cycler.stdout is not None
+        assert self._cycler.stdout.readline() == "cycling\n", "the throttle started"  # the engine is slowed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._held.set()
-        self._thread.join()
-        self._signal(signal.SIGCONT)
+        with self._running() as cycler:  # its pipes closed, waited for
+            assert cycler.stdin is not None
+            cycler.stdin.close()  # the cycler resumes the engine and ends
+            cycler.wait(timeout=30)
+        self._cycler = None
+        for pid in self.engines:  # resumed whatever became of the cycler
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

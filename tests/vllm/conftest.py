@@ -64,7 +64,7 @@ async def vllm_replicas(
             free_port(),
             logs / f"replica-{i}.log",
             # request templates: tests/vllm/test_render_vllm.py compares kvgate's tokens per template
-            extra_args=(*kv_events_args(), "--trust-request-chat-template"),
+            extra_args=(*kv_events_args(), "--trust-request-chat-template", "--enable-log-requests"),
         )
         for i in (0, 1)
     ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import aiohttp
@@ -37,17 +37,30 @@ METRICS = {
 }
 
 
+CRAWL = (0.001, 0.2)
+"""The engines run 1 ms of every 200 (``EngineThrottle``): 1,000 tokens, about half a second of the fixture
+model's compute, then take well over ten seconds, even with each run stretched by the time the signals
+take on a busy machine. At 5 ms of every 50 a request ended in 3 s, 1,000 tokens, before the test saw it
+begin (vLLM's ``/metrics`` shows a request running a step or more late, and reading two replicas' pages
+takes a busy test a while)."""
 RAN_TO_ITS_END = ('finished_reason="stop"', 'finished_reason="length"')
 
 
 @contextmanager
-def slowed(replicas: list[VllmProcess]) -> Iterator[None]:
-    """Every replica's engine slowed (``EngineThrottle``) while a client comes and goes: 1,000 tokens take
-    about a second at full speed, less than a busy test may take to see the request run or to leave."""
+def slowed(replicas: list[VllmProcess]) -> Iterator[Callable[[], None]]:
+    """Every replica's engine slowed (``EngineThrottle``) while a client comes and goes; the block gets a
+    function that holds every engine still. 1,000 tokens take about half a second of the fixture model's
+    compute, a few seconds slowed: a busy test process may take longer to see the request run, so the test
+    holds the engines as it sees that, and the client leaves a generation that cannot end meanwhile (the
+    abort reaches vLLM's engine as it runs again, when the block is left)."""
     with ExitStack() as throttles:
-        for replica in replicas:
-            throttles.enter_context(EngineThrottle(replica.pid))
-        yield
+        slowed = [throttles.enter_context(EngineThrottle(replica.pid, *CRAWL)) for replica in replicas]
+
+        def hold() -> None:
+            for throttle in slowed:
+                throttle.hold()
+
+        yield hold
 
 
 async def vllm_counts(http: aiohttp.ClientSession, replicas: list[VllmProcess]) -> Counter[str]:
@@ -127,10 +140,11 @@ async def test_a_client_that_closes_a_stream_stops_one_generation_and_nothing_el
     prompt, before = await settled(http, gateway, vllm_replicas)
     retries_before = await retries(http, gateway)
     async with aiohttp.ClientSession() as client:
-        with slowed(vllm_replicas):
+        with slowed(vllm_replicas) as hold:
             response = await client.post(f"{gateway.url}/v1/completions", json=LONG | {"stream": True})
             assert response.status == 200
             await response.content.readuntil(b"\n\n")
+            hold()
             response.close()  # the client leaves mid-stream
     since = await after_it_stopped(http, vllm_replicas, before, prompt)
     assert since["prompt_tokens"] == prompt  # one request reached a replica: none was sent again
@@ -145,7 +159,7 @@ async def test_a_client_that_leaves_a_pending_request_stops_its_generation(
 ) -> None:
     prompt, before = await settled(http, gateway, vllm_replicas)
     async with aiohttp.ClientSession() as client:
-        with slowed(vllm_replicas):
+        with slowed(vllm_replicas) as hold:
             pending = asyncio.ensure_future(client.post(f"{gateway.url}/v1/completions", json=LONG))
 
             async def generating() -> bool:
@@ -155,6 +169,7 @@ async def test_a_client_that_leaves_a_pending_request_stops_its_generation(
                 return seen["running"] + seen["waiting"] > 0
 
             await eventually(generating, "the request is on a replica (running or waiting)", within=30.0)
+            hold()
             pending.cancel()  # the client gives up and closes its connection, the answer still pending
             with pytest.raises(asyncio.CancelledError):
                 await pending
