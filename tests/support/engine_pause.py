@@ -8,10 +8,10 @@ kvgate keeps seeing the replica healthy, and sees a client leave (the API server
 engine core, which applies it when it runs again). Anything that needs the engine (a token, a load or an
 unload) waits.
 
-The signals come from a small process of their own (``_CYCLE``, at a higher priority), never from a thread
-of the test process: a test process holds its GIL for as long as it likes (a garbage collection of a
-pytest session, an in-process kvgate's work), and a throttling thread that waits for it leaves the engine
-running at full speed meanwhile (seen: a 1,000-token answer ended before a test saw it begin).
+The signals come from a small process of their own (``_CYCLE``, at a higher priority), not from a thread
+of the test process, so the cycle does not wait for the test process (its GIL, its turn on a busy
+machine). Even so a run window stretches by the time the signals take, so a test that must see a
+generation still running holds the engine (``hold``) as soon as it sees what it waits for.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ RUN_S, PERIOD_S = 0.005, 0.05
 class EngineThrottle:
     """A real vLLM replica's engine slowed to a crawl, then held still: until ``hold``, a process of its own
     lets it run ``run_s`` of every ``period_s`` (SIGCONT, then SIGSTOP); ``hold`` stops it there; leaving
-    the block resumes it. A 1,000-token stream takes about a second on an idle engine, less than a busy test
-    process may take to read its first chunk; slowed, it is still running when the test reacts to it."""
+    the block resumes it. The fixture model makes about 2,000 tokens a second of engine time: a 1,000-token
+    answer ends sooner than a busy test may react to it, unless slowed."""
 
     def __init__(self, server_pid: int | None, run_s: float = RUN_S, period_s: float = PERIOD_S) -> None:
         assert server_pid is not None, "the replica runs"
