@@ -81,7 +81,12 @@ while True:
 """
 
 
-RUN_S, PERIOD_S = 0.005, 0.05
+RUN_S, PERIOD_S = 0.001, 0.2
+"""1 ms of every 200: 1,000 tokens, about half a second of the fixture model's engine time, take well over
+ten seconds, even with each run stretched by the time the signals take. At 5 ms of every 50 a 1,000-token
+answer ended in about 3 s, before a test saw it begin (polling two replicas' ``/metrics``), before the
+client's leaving reached vLLM, or before a kvgate that waited seconds for its Redis relayed the first
+chunk (fresh-clone runs)."""
 
 
 class EngineThrottle:

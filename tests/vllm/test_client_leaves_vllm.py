@@ -37,22 +37,17 @@ METRICS = {
 }
 
 
-CRAWL = (0.001, 0.2)
-"""The engines run 1 ms of every 200 (``EngineThrottle``): 1,000 tokens, about half a second of the fixture
-model's engine time, then take well over ten seconds, even with each run stretched by the time the
-signals take. At 5 ms of every 50 a request ended in about 3 s, 1,000 tokens, before the test saw it begin
-(polling two replicas' ``/metrics``) or before the client's leaving reached vLLM."""
 RAN_TO_ITS_END = ('finished_reason="stop"', 'finished_reason="length"')
 
 
 @contextmanager
 def slowed(replicas: list[VllmProcess]) -> Iterator[Callable[[], None]]:
-    """Every replica's engine slowed (``EngineThrottle``, ``CRAWL``) while a client comes and goes; the block
+    """Every replica's engine slowed (``EngineThrottle``) while a client comes and goes; the block
     gets a function that holds every engine still: the test holds them as it sees the request on a replica,
     so the client leaves a generation that cannot end meanwhile (the abort reaches vLLM's engine as it runs
     again, when the block is left)."""
     with ExitStack() as throttles:
-        slowed = [throttles.enter_context(EngineThrottle(replica.pid, *CRAWL)) for replica in replicas]
+        slowed = [throttles.enter_context(EngineThrottle(replica.pid)) for replica in replicas]
 
         def hold() -> None:
             for throttle in slowed:
