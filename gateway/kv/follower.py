@@ -278,7 +278,7 @@ class KvFollower:
         if self._lagging(frames, rank):
             return
         try:
-            batch = decode_message(frames)
+            batch = decode_message(frames, native=True)
         except MalformedEvent as exc:
             self.metrics.kv_event_malformed.labels(url).inc()
             log.warning("KV events of %s: skipped a malformed message: %s", url, exc.message)
@@ -339,13 +339,9 @@ class KvFollower:
             log.warning(
                 "KV events of %s: skipped %d malformed events: %s", url, batch.malformed, batch.errors
             )
-        kinds: dict[str, int] = {}
-        for event in batch.events:
-            kind = type(event).__name__
-            kinds[kind] = kinds.get(kind, 0) + 1
-        for kind, count in kinds.items():
+        for kind, count in batch.kinds().items():
             self.metrics.kv_events.labels(url, kind).inc(count)
-        self.index.apply(url, batch.events, rank)
+        self.index.apply_batch(url, batch, rank)
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
         stream = self.streams.get(rank)
         if stream is not None:
@@ -378,7 +374,7 @@ class KvFollower:
                     raise MalformedEvent(f"a replay reply has 4 frames, got {len(reply)}")
                 if sequence(reply[2]) == _END_SEQ:
                     break
-                batch = decode_message(reply[1:])
+                batch = decode_message(reply[1:], native=True)
                 if start <= batch.seq < stop:
                     got.append(batch)
         except MalformedEvent as exc:

@@ -20,14 +20,14 @@ largest view loses its oldest blocks first (``loadtest/precise_index_memory.py``
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from blake3 import blake3
 
-from gateway.kv.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from gateway.kv._native import Table, View
+from gateway.kv.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event
 
 KEY_BYTES = 16
 MAX_BLOCKS = 2048  # bounds the hashing work per request (256K tokens at vLLM's CPU block size)
@@ -71,10 +71,10 @@ class Mirror(Protocol):
     """Where the index copies which view holds which key (``kv.shared_index.SharedWriter``: the table
     every worker reads). A view's column is taken on first use; None: that view is not mirrored."""
 
+    @property
+    def table(self) -> Table: ...
     def column(self, replica: str, rank: int) -> int | None: ...
     def block_size(self, column: int, size: int) -> None: ...
-    def hold(self, key: int, column: int) -> None: ...
-    def release(self, key: int, column: int) -> None: ...
 
 
 def stored_namespace(event: BlockStored) -> Namespace | None:
@@ -113,78 +113,23 @@ class Applied:
     skipped: int = 0  # blocks not keyed: unknown parent, extra keys kvgate cannot reproduce
 
 
-class _View:
-    __slots__ = ("block_size", "by_hash", "column", "holds", "mirror")
-
-    def __init__(self, mirror: Mirror | None = None, column: int | None = None) -> None:
-        self.by_hash: OrderedDict[BlockHash, bytes] = (
-            OrderedDict()
-        )  # vLLM's hash -> kvgate's key, oldest first
-        self.holds: dict[bytes, int] = {}  # kvgate's key -> how many of vLLM's blocks carry it here
-        self.block_size: int | None = None
-        self.mirror = mirror if column is not None else None
-        self.column = column if column is not None else 0
-
-    def sized(self, size: int) -> None:
-        if size != self.block_size:
-            self.block_size = size
-            if self.mirror is not None:
-                self.mirror.block_size(self.column, size)
-
-    def add(self, block_hash: BlockHash, key: bytes) -> bool:
-        old = self.by_hash.get(block_hash)
-        if old is not None:
-            self.by_hash.move_to_end(block_hash)
-            if old == key:
-                return False
-            self._release(old)
-        self.by_hash[block_hash] = key
-        count = self.holds.get(key, 0)
-        self.holds[key] = count + 1
-        if not count and self.mirror is not None:
-            self.mirror.hold(table_key(key), self.column)
-        return old is None
-
-    def remove(self, block_hash: BlockHash) -> bool:
-        key = self.by_hash.pop(block_hash, None)
-        if key is None:
-            return False
-        self._release(key)
-        return True
-
-    def pop_oldest(self) -> None:
-        _, key = self.by_hash.popitem(last=False)
-        self._release(key)
-
-    def empty(self) -> None:
-        if self.mirror is not None:
-            for key in self.holds:
-                self.mirror.release(table_key(key), self.column)
-        self.by_hash.clear()
-        self.holds.clear()
-
-    def _release(self, key: bytes) -> None:
-        count = self.holds[key] - 1
-        if count:
-            self.holds[key] = count
-        else:
-            del self.holds[key]
-            if self.mirror is not None:
-                self.mirror.release(table_key(key), self.column)
-
-
 class PreciseIndex:
     """Per-replica views of the blocks each replica holds, bounded to ``capacity`` blocks in all.
 
     A replica's view is one view per data-parallel rank (each rank is an engine with its own cache and
-    its own event stream): the replica holds a prefix when one of its ranks does, its blocks are those
-    of all its ranks, and one rank's view can be emptied alone (its stream was lost) without claiming or
-    dropping what the other ranks hold."""
+    its own event stream): the replica holds a prefix when one of its ranks holds all of it, its blocks
+    are those of all its ranks, and one rank's view can be emptied alone (its stream was lost) without
+    claiming or dropping what the other ranks hold.
+
+    A view is ``kv._native.View`` (C): vLLM's hash -> kvgate's key, oldest first, and how many of vLLM's
+    blocks carry each key, the first of which holds it in the mirror's table. A batch the native parser
+    read (``Batch.native``) is applied in C, every block of it; one it left to ``kv.events`` (anything but
+    the plain case) is applied here, an event at a time, with the same result."""
 
     def __init__(self, capacity: int, mirror: Mirror | None = None) -> None:
         self.capacity = capacity
         self.mirror = mirror
-        self._views: dict[str, dict[int, _View]] = {}  # replica -> data-parallel rank -> its view
+        self._views: dict[str, dict[int, View]] = {}  # replica -> data-parallel rank -> its view
         self._size = 0
 
     def __len__(self) -> int:
@@ -193,7 +138,7 @@ class PreciseIndex:
     def blocks(self, replica: str, rank: int | None = None) -> int:
         """The blocks a replica's view holds (of every rank, or of ``rank``)."""
         views = self._views.get(replica, {})
-        return sum(len(v.by_hash) for r, v in views.items() if rank is None or r == rank)
+        return sum(len(v) for r, v in views.items() if rank is None or r == rank)
 
     def block_size(self, replica: str) -> int | None:
         sizes = [v.block_size for v in self._views.get(replica, {}).values() if v.block_size is not None]
@@ -211,7 +156,7 @@ class PreciseIndex:
         for view in self._views.get(replica, {}).values():
             count = 0
             for key in keys:
-                if key not in view.holds:
+                if not view.holds(key):
                     break
                 count += 1
             best = max(best, count)
@@ -239,18 +184,27 @@ class PreciseIndex:
         views = self._views.get(replica, {})
         for r in [r for r in views if rank is None or r == rank]:
             view = views.pop(r)
-            self._size -= len(view.by_hash)
+            self._size -= len(view)
             view.empty()
         if not views:
             self._views.pop(replica, None)
 
+    def apply_batch(self, replica: str, batch: Batch, rank: int = 0) -> Applied:
+        """One decoded batch of ``rank``'s events applied to that rank's view of ``replica``."""
+        if batch.native is None:
+            return self.apply(replica, batch.events, rank)
+        view = self._view(replica, rank)
+        before, size = len(view), view.block_size
+        applied = Applied(*view.apply(batch.native))
+        self._size += len(view) - before
+        if view.block_size != size:
+            self._sized(view)
+        self._shrink()
+        return applied
+
     def apply(self, replica: str, events: Iterable[Event], rank: int = 0) -> Applied:
-        """One batch of ``rank``'s events applied to that rank's view of ``replica``."""
-        views = self._views.setdefault(replica, {})
-        view = views.get(rank)
-        if view is None:
-            column = None if self.mirror is None else self.mirror.column(replica, rank)
-            view = views[rank] = _View(self.mirror, column)
+        """``rank``'s events applied to that rank's view of ``replica``, one at a time."""
+        view = self._view(replica, rank)
         applied = Applied()
         for event in events:
             if isinstance(event, BlockStored):
@@ -261,14 +215,29 @@ class PreciseIndex:
                         self._size -= 1
                         applied.removed += 1
             elif isinstance(event, AllBlocksCleared):
-                self._size -= len(view.by_hash)
+                self._size -= len(view)
                 view.empty()
                 applied.cleared += 1
         self._shrink()
         return applied
 
-    def _store(self, view: _View, event: BlockStored, applied: Applied) -> None:
-        view.sized(event.block_size)
+    def _view(self, replica: str, rank: int) -> View:
+        views = self._views.setdefault(replica, {})
+        view = views.get(rank)
+        if view is None:
+            mirror = self.mirror
+            column = None if mirror is None else mirror.column(replica, rank)
+            view = views[rank] = View() if mirror is None or column is None else View(mirror.table, column)
+        return view
+
+    def _sized(self, view: View) -> None:
+        if self.mirror is not None and view.column is not None and view.block_size is not None:
+            self.mirror.block_size(view.column, view.block_size)
+
+    def _store(self, view: View, event: BlockStored, applied: Applied) -> None:
+        if view.block_size != event.block_size:
+            view.block_size = event.block_size
+            self._sized(view)
         keyable = _keyable_blocks(event)
         if event.parent_block_hash is None:
             namespace = stored_namespace(event)
@@ -278,7 +247,7 @@ class PreciseIndex:
                 return
         else:
             namespace = (None, None)
-            parent = view.by_hash.get(event.parent_block_hash)
+            parent = view.get(event.parent_block_hash)
             if parent is None:  # its chain's start was never seen (or was dropped): not keyable
                 applied.skipped += len(event.block_hashes)
                 return
@@ -292,8 +261,12 @@ class PreciseIndex:
         applied.skipped += len(event.block_hashes) - len(keys)
 
     def _shrink(self) -> None:
+        """Past ``capacity``, the largest view loses its oldest blocks first (down to the next largest,
+        then again)."""
         while self._size > self.capacity:
-            views = (v for by_rank in self._views.values() for v in by_rank.values())
-            largest = max(views, key=lambda v: len(v.by_hash))
-            largest.pop_oldest()
-            self._size -= 1
+            views = sorted(
+                (v for by_rank in self._views.values() for v in by_rank.values()), key=len, reverse=True
+            )
+            next_largest = len(views[1]) if len(views) > 1 else 0
+            count = min(self._size - self.capacity, max(1, len(views[0]) - next_largest))
+            self._size -= views[0].pop_oldest(count)

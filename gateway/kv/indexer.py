@@ -93,4 +93,4 @@ async def index_events(
                 written = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), REPORT_S)
-    region.close()
+    writer.close()

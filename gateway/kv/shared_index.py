@@ -39,6 +39,7 @@ import orjson
 from blake3 import blake3
 
 from gateway.core.errors import KvgateError
+from gateway.kv._native import Table
 from gateway.kv.follower import ROUTING, STATES
 from gateway.kv.index import Namespace, block_keys, table_key
 
@@ -171,16 +172,16 @@ def region_tag(fd: int, replicas: Sequence[str]) -> str:
 
 
 class SharedWriter:
-    """The indexer's side: the table's keys and masks, the replicas' records and the columns. One writer
-    (the indexer process); every change inside the seqlock."""
+    """The indexer's side: the table's keys and masks (``kv._native.Table``, in C: the views hold and
+    release keys there), the replicas' records and the columns. One writer (the indexer process); every
+    change inside the seqlock. ``close`` before the region's."""
 
     def __init__(self, region: SharedRegion) -> None:
         self.region = region
         self.w = region.words
         layout = region.layout
-        self.mask = layout.capacity - 1
-        self.width = layout.words
-        self.keys_at, self.masks_at = layout.keys_at, layout.masks_at
+        self.table = Table(region.map, layout.capacity, layout.words, layout.keys_at, layout.masks_at, _SEQ,
+                           _ENTRIES)  # fmt: skip
         self.columns: dict[tuple[int, int], int] = {}
 
     def start(self, generation: int) -> None:
@@ -233,62 +234,12 @@ class SharedWriter:
 
     def hold(self, key: int, column: int) -> None:
         """``column``'s view holds ``key`` (its first block carrying it)."""
-        w, mask, width = self.w, self.mask, self.width
-        bit, word = 1 << (column & 63), column >> 6
-        i = key & mask
-        while True:
-            found = w[self.keys_at + i]
-            if found == key or found == 0:
-                break
-            i = (i + 1) & mask
-        self._begin()
-        at = self.masks_at + i * width + word
-        w[at] |= bit
-        if found == 0:
-            w[self.keys_at + i] = key
-            w[_ENTRIES] += 1
-        self._end()
+        self.table.hold(key, column)
 
     def release(self, key: int, column: int) -> None:
         """``column``'s view no longer holds ``key``: its bit cleared, the entry deleted when no column
-        holds it."""
-        w, mask, width = self.w, self.mask, self.width
-        i = key & mask
-        while True:
-            found = w[self.keys_at + i]
-            if found == 0:
-                return
-            if found == key:
-                break
-            i = (i + 1) & mask
-        self._begin()
-        base = self.masks_at + i * width
-        w[base + (column >> 6)] &= ~(1 << (column & 63)) & 0xFFFFFFFFFFFFFFFF
-        if not any(w[base + j] for j in range(width)):
-            self._delete(i)
-        self._end()
-
-    def _delete(self, i: int) -> None:
-        """Empty slot ``i``, shifting back the entries of its probe run that may move (inside the lock)."""
-        w, mask, width, keys_at, masks_at = self.w, self.mask, self.width, self.keys_at, self.masks_at
-        j = i
-        while True:
-            j = (j + 1) & mask
-            key = w[keys_at + j]
-            if key == 0:
-                break
-            home = key & mask
-            stays = (i < home <= j) if i <= j else (home > i or home <= j)
-            if stays:
-                continue
-            w[keys_at + i] = key
-            for k in range(width):
-                w[masks_at + i * width + k] = w[masks_at + j * width + k]
-            i = j
-        w[keys_at + i] = 0
-        for k in range(width):
-            w[masks_at + i * width + k] = 0
-        w[_ENTRIES] -= 1
+        holds it (the entries after it in its probe run shifted back)."""
+        self.table.release(key, column)
 
     def report(self, replica: str, state: str, health: dict[str, object], lag_s: float | None, blocks: int,
                last_batch: float | None, dropped: int) -> None:  # fmt: skip
@@ -330,6 +281,11 @@ class SharedWriter:
 
     def beat(self, now_ms: int) -> None:
         self.w[_HEARTBEAT] = now_ms
+
+    def close(self) -> None:
+        """Let go of the table (the region's mapping can then close) and the region."""
+        self.table.close()
+        self.region.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """The image recipe, checked without a container engine: the Dockerfile passes hadolint and has the shape
-we promise (a builder for the wheel; a final stage on the BASE argument, python:3.11-slim by default,
+we promise (a builder for the wheel on BUILDER, python:3.11 with its compiler by default; a final stage on
+the BASE argument, python:3.11-slim by default,
 without build tools, a non-root user, a stdlib HEALTHCHECK), and its install script, run as the final stage
 runs it but in a clean virtualenv, gives a ``kvgate serve`` that answers ``/healthz`` (real Redis, stub
 replica) and a health check that tells ready from alive. The image itself, built and run with podman:
@@ -63,7 +64,9 @@ def test_final_stage_is_slim_non_root_with_a_stdlib_healthcheck() -> None:
     *_, final = stages()
     assert len(stages()) >= 2, "a builder stage makes the wheel"
     assert final[0] == ("FROM", "${BASE}")
-    assert global_args() == {"BASE": "python:3.11-slim"}, "the official image unless a build names another"
+    assert global_args() == {"BASE": "python:3.11-slim", "BUILDER": "python:3.11"}, (
+        "the official images unless a build names others (the builder's has gcc: gateway/kv/native)"
+    )
     runs = " ".join(arguments for instruction, arguments in final if instruction == "RUN")
     assert "sh /usr/local/lib/kvgate/install.sh /wheels" in runs, "the install steps are the script's"
     assert ("COPY", f"{INSTALL} /usr/local/lib/kvgate/install.sh") in final

@@ -26,7 +26,7 @@ def shared() -> Iterator[tuple[SharedWriter, SharedReader]]:
     writer.start(1)
     reader = SharedReader(SharedRegion(fd, REPLICAS))
     yield writer, reader
-    writer.region.close()
+    writer.close()
     reader.region.close()
     os.close(fd)
 
@@ -149,6 +149,6 @@ def test_a_reader_beside_a_busy_writer_process_never_sees_a_key_in_another_keys_
         assert seen > 0, "the reader saw the keys held"
         assert wrong == 0
         reader.region.close()
-        writer.region.close()
+        writer.close()
     finally:
         os.close(fd)

@@ -30,7 +30,7 @@ def shared() -> Iterator[tuple[SharedWriter, SharedReader]]:
     writer.start(1)
     reader = SharedReader(SharedRegion(fd, [R0]))
     yield writer, reader
-    writer.region.close()
+    writer.close()
     reader.region.close()
     os.close(fd)
 
