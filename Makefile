@@ -193,7 +193,7 @@ loadtest-metrics: $(VENV)/.done
 # small requests, --workers 1 and 2; the block in docs/scale.md (a few minutes).
 .PHONY: loadtest-kv-flood
 loadtest-kv-flood: $(VENV)/.done
-	$(PY) -m loadtest.kv_flood --rate 100000 --seconds 15 --rounds 2 --out docs/scale.md
+	$(PY) -m loadtest.kv_flood --rate 100000 500000 --seconds 15 --rounds 2 --out docs/scale.md
 
 # The KV-event path planned past this machine (loadtest/kv_fleet_model.py): kvgate's real index code on
 # synthetic events, then the model for 100 replicas x 20,000 blocks, 16 workers a node, 100 kvgates.

@@ -9,9 +9,12 @@ does to the small requests when 8 clients move 4 MB bodies; then kvgate, twice, 
 template; the stubs publish no events, which changes nothing here).
 Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
 stage still runs): the stub parses each body on its own event loop, and a small request queued there
-behind a 4 MB parse would measure the stub. The stubs and the heavy clients stand for other machines:
-on a small machine they run niced (``--others-nice``, 19 by default; 0 to compete with kvgate for the
-cores as they come).
+behind a 4 MB parse would measure the stub. The heavy clients and the heavy bodies' stub stand for other
+machines: on a small machine they run niced (``--others-nice``, 19 by default; 0 to compete with kvgate
+for the cores as they come). The small requests' stub is not niced: it stands for the small requests'
+replica, whose CPU the heavy load elsewhere does not take (niced with the load, as it was until
+2026-12-04, it waited for a core behind the heavy clients, and so did every mode: the stubs alone
+measured 2.3-2.8x idle, the machine's doing, not kvgate's).
 
 Each round, for each body shape, the same prober sends small completions one after another through kvgate
 (for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
@@ -249,7 +252,7 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
 
 
 def niced(args: argparse.Namespace) -> list[str]:
-    """The stubs and the heavy clients stand for other machines: niced, so that on this small machine
+    """The heavy clients and their stub stand for other machines: niced, so that on this small machine
     what the prober sees is kvgate's doing rather than the scheduler sharing its cores among them."""
     return ["nice", "-n", str(args.others_nice)] if args.others_nice else []
 
@@ -265,7 +268,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tokenizer", type=Path, default=Path(".cache/fixture/model"),
                         help="the base model directory precise routing tokenizes with")  # fmt: skip
-    parser.add_argument("--others-nice", type=int, default=19, help="the stubs' and heavy clients' niceness")
+    parser.add_argument(
+        "--others-nice", type=int, default=19, help="the heavy clients' and their stub's niceness"
+    )
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
     parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
@@ -298,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stubs = []
             for number in range(2):
                 port = free_port()
-                stub_argv = [*niced(args), py, "-m", "loadtest.stub_server", "--port", str(port)]
+                nice = niced(args) if number == 1 else []  # stub 0 answers the small requests
+                stub_argv = [*nice, py, "-m", "loadtest.stub_server", "--port", str(port)]
                 stub = fleet.start(f"stub-{number}", stub_argv)
                 stubs.append(f"http://127.0.0.1:{port}")
                 wait_ready(stub, stubs[-1] + "/v1/models")
@@ -330,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         generated_docs.write_block(args.out, generated_docs.measured(
             f"{args.clients} heavy clients back to back; small completions one after another for "
             f"{args.seconds:g} s a phase (idle, then loaded, per shape and round), {args.rounds} rounds; "
-            f"stubs and heavy clients at nice {args.others_nice}; body bytes: {sizes}. Each figure is the "
+            f"the heavy clients and their stub at nice {args.others_nice}, the small requests' stub at 0; "
+            f"body bytes: {sizes}. Each figure is the "
             f"median over rounds; the ratio is each round's loaded p99 over its idle p99.\n\n{text}"
         ))  # fmt: skip
     errors = sum(len(h.errors) for cells in results.values() for c in cells.values() for h in c.heavy)

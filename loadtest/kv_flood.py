@@ -7,7 +7,8 @@ events published by a child process of this one (``--publish``: a real ZMQ PUB s
 time they are sent). Small requests go through kvgate at a steady ``--rps`` the whole time:
 
 1. **idle**: ``--idle`` seconds with the stream followed and quiet;
-2. **flood**: ``--seconds`` seconds of ``--rate`` blocks/s in batches of ``--batch`` blocks;
+2. **flood**: ``--seconds`` seconds of ``--rate`` blocks/s in batches of ``--batch`` blocks (each rate
+   given, in turn);
 3. **after**: until every batch sent is accounted for in the KV indexer's counters (applied, or
    dropped while the stream lagged), at most ``--after`` seconds.
 
@@ -16,7 +17,8 @@ indexer applied per second during the flood; batches applied and dropped; when t
 accounted for after the flood's end; the largest RSS of every kvgate process (parent, workers, KV
 indexer; the embedded redis-server left out), sampled every 0.5 s. Run from the repository root::
 
-    .venv/bin/python -m loadtest.kv_flood [--rounds 1] [--rate 100000] [--seconds 15] [--out docs/scale.md]
+    .venv/bin/python -m loadtest.kv_flood [--rounds 1] [--rate 100000 500000] [--seconds 15] \\
+        [--out docs/scale.md]
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Phase:
 @dataclass
 class Run:
     workers: int
+    rate: int  # blocks/s the flood was sent at
     phases: dict[str, Phase]
     sent_batches: int
     sent_blocks: int
@@ -206,7 +209,7 @@ async def small_requests(
 
 
 async def one_run(
-    fleet: Fleet, workdir: Path, name: str, workers: int, stub_url: str, args: argparse.Namespace
+    fleet: Fleet, workdir: Path, name: str, workers: int, rate: int, stub_url: str, args: argparse.Namespace
 ) -> Run:
     port, admin_port, events_port = free_port(), free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{events_port}"
@@ -214,7 +217,7 @@ async def one_run(
     publisher = fleet.start(
         f"{name}-publisher",
         [sys.executable, "-m", "loadtest.kv_flood", "--publish", endpoint, "--go", str(go), "--report",
-         str(report), "--rate", str(args.rate), "--seconds", str(args.seconds), "--batch", str(args.batch)],
+         str(report), "--rate", str(rate), "--seconds", str(args.seconds), "--batch", str(args.batch)],
     )  # fmt: skip
     tokenizer = workdir / "tokenizer"
     tokenizer.mkdir(exist_ok=True)
@@ -276,6 +279,7 @@ async def one_run(
         stop_leftover_redis(workdir, name)
     return Run(
         workers=workers,
+        rate=rate,
         phases=phases,
         sent_batches=sent["batches"],
         sent_blocks=sent["blocks"],
@@ -291,14 +295,17 @@ async def one_run(
 
 def render(runs: list[Run], args: argparse.Namespace) -> str:
     lines = [
-        f"One replica's events at {args.rate:,} blocks/s for {args.seconds:g} s (map-encoded `BlockStored`, "
+        f"One replica's events at {' and '.join(f'{r:,}' for r in args.rate)} blocks/s "
+        f"for {args.seconds:g} s "
+        "(map-encoded `BlockStored`, one block each, as a replica serving short prompts sends them, "
         f"{BLOCK}-token blocks, {args.batch:,} blocks a batch), small requests at {args.rps:g}/s throughout, "
         f"the idle phase {args.idle:g} s; {len(os.sched_getaffinity(0))} cores, shared. One row per run.",
         "",
-        "| workers | idle p50 / p99 ms | flood p50 / p99 ms | p99 flood / idle | p99 goal: max(2x, +20 ms) | "
+        "| flood blocks/s | workers | idle p50 / p99 ms | flood p50 / p99 ms | p99 flood / idle | "
+        "p99 goal: max(2x, +20 ms) | "
         "small errors | sent blocks/s | applied blocks/s (flood) | batches sent / applied / dropped | "
         "all accounted for after the flood | largest RSS of a kvgate process | RSS per process (max, MB) |",
-        "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for run in runs:
         idle, flood = run.phases["idle"], run.phases["flood"]
@@ -311,18 +318,18 @@ def render(runs: list[Run], args: argparse.Namespace) -> str:
             else f"{run.accounted_after_s:.1f} s"
         )
         lines.append(
-            f"| {run.workers} | {idle.p(0.5):.1f} / {idle.p(0.99):.1f} | "
+            f"| {run.rate:,} | {run.workers} | {idle.p(0.5):.1f} / {idle.p(0.99):.1f} | "
             f"{flood.p(0.5):.1f} / {flood.p(0.99):.1f} | "
             f"{flood.p(0.99) / idle.p(0.99):.2f} | {met} ({goal:.1f} ms) | {errors} | "
             f"{run.sent_blocks / run.flood_s:,.0f} | {run.applied_blocks_per_s:,.0f} | "
             f"{run.sent_batches} / {run.applied_batches} / {run.dropped_batches} | {after} | "
             f"{run.rss_max_mb:.0f} MB | {', '.join(f'{mb:.0f}' for mb in run.rss_by_process)} |"
         )
-    counts = sorted({run.workers for run in runs})
+    counts = sorted({(run.rate, run.workers) for run in runs})
     if len(runs) > len(counts):
-        lines += ["", "Medians over the runs of each worker count:", ""]
-    for workers in counts:
-        mine = [run for run in runs if run.workers == workers]
+        lines += ["", "Medians over the runs of each rate and worker count:", ""]
+    for rate, workers in counts:
+        mine = [run for run in runs if (run.rate, run.workers) == (rate, workers)]
         ratio = statistics.median(r.phases["flood"].p(0.99) / r.phases["idle"].p(0.99) for r in mine)
         added = statistics.median(r.phases["flood"].p(0.99) - r.phases["idle"].p(0.99) for r in mine)
         latest = [r.accounted_after_s for r in mine]
@@ -333,7 +340,8 @@ def render(runs: list[Run], args: argparse.Namespace) -> str:
             "after the flood at the latest"
         )
         lines.append(
-            f"- `--workers {workers}`: small requests' p99 flood / idle x{ratio:.2f} ({added:+.1f} ms); "
+            f"- {rate:,} blocks/s, `--workers {workers}`: small requests' p99 flood / idle x{ratio:.2f} "
+            f"({added:+.1f} ms); "
             f"{accounted}; applied {statistics.median(r.applied_blocks_per_s for r in mine):,.0f} blocks/s "
             f"during the flood; largest kvgate process {max(r.rss_max_mb for r in mine):.0f} MB."
         )
@@ -349,8 +357,9 @@ async def bench(args: argparse.Namespace) -> list[Run]:
         stub_url = f"http://127.0.0.1:{stub_port}"
         wait_ready(stub, stub_url + "/v1/models")
         for round_ in range(args.rounds):
-            for workers in args.workers:
-                run = await one_run(fleet, workdir, f"w{workers}-{round_}", workers, stub_url, args)
+            for rate, workers in itertools.product(args.rate, args.workers):
+                name = f"r{rate}-w{workers}-{round_}"
+                run = await one_run(fleet, workdir, name, workers, rate, stub_url, args)
                 print(render([run], args).splitlines()[-1], flush=True)
                 runs.append(run)
     return runs
@@ -358,7 +367,7 @@ async def bench(args: argparse.Namespace) -> list[Run]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=int, default=100_000, help="blocks/s during the flood")
+    parser.add_argument("--rate", type=int, nargs="+", default=[100_000], help="blocks/s during the flood")
     parser.add_argument("--seconds", type=float, default=15.0, help="the flood's length")
     parser.add_argument("--batch", type=int, default=2_000, help="blocks a batch")
     parser.add_argument("--rps", type=float, default=20.0, help="small requests a second")
@@ -372,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.publish:
-        publish(args.publish, args.go, args.report, args.rate, args.seconds, args.batch)
+        publish(args.publish, args.go, args.report, args.rate[0], args.seconds, args.batch)
         return 0
     generated_docs.started_tree()
     runs = asyncio.run(bench(args))
