@@ -190,7 +190,7 @@ def render(m: dict[str, float], args: argparse.Namespace) -> str:
             else:
                 delay = f"never: {per_process:.1f}x one core: lagging, dropped, predicted"
             lines.append(
-                f"| {label}: {rate:,} blocks/s | {design} | {decoded:,.0f} | {cores:.1f} | "
+                f"| {label}: {rate:,} blocks/s | {design} | {decoded:,.0f} | {cores:.2f} | "
                 f"{memory:,.0f} MB | {decoded * args.kvgates:,.0f} | {delay} |"
             )
     return "\n".join(lines)
