@@ -12,6 +12,10 @@ types (a newer vLLM) are counted in ``Batch.unknown`` and skipped. Block hashes 
 default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), bytes otherwise. Token ids are ints in ``0 .. 2^63 - 1``
 (``core.model.all_token_ids``: kvgate keys blocks by their tokens as signed 64-bit ints); an event with any
 other is malformed.
+
+The KV indexer reads a batch in C first (``decode_message(native=True)``: ``kv._native.parse``, applied by
+``PreciseIndex.apply_batch`` without a Python object per event or token); what C does not take whole, this
+module decodes, with the same checks.
 """
 
 from __future__ import annotations

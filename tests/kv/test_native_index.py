@@ -162,15 +162,16 @@ def test_the_c_path_and_the_python_path_keep_the_same_views_and_tables(sides: tu
     assert parsed == 600
 
 
-def test_what_the_c_path_applies_it_keys_as_a_request_is_keyed(sides: tuple[Side, Side]) -> None:
+@pytest.mark.parametrize("size", [4, 600])  # 600: a block hashed in runs of tokens (index.c's TOKEN_RUN)
+def test_what_the_c_path_applies_it_keys_as_a_request_is_keyed(sides: tuple[Side, Side], size: int) -> None:
     """A chain stored in C is matched by the request path's keys (``block_keys``), in its namespace only."""
     native, _ = sides
-    tokens = list(range(32))
+    tokens = [(i * 7919) % 100_000 for i in range(4 * size)]
     event = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
-             "token_ids": tokens[:8], "block_size": 4, "lora_name": "t@b3:1",
+             "token_ids": tokens[: 2 * size], "block_size": size, "lora_name": "t@b3:1",
              "extra_keys": [["t@b3:1", "salt-a"], ["t@b3:1"]]}  # fmt: skip
-    more = {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12, "token_ids": tokens[8:12],
-            "block_size": 4, "lora_name": "t@b3:1"}  # fmt: skip
+    more = {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12,
+            "token_ids": tokens[2 * size : 3 * size], "block_size": size, "lora_name": "t@b3:1"}  # fmt: skip
     batch = decode_message([b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [event, more], 0])], native=True)
     assert batch.native is not None
     assert native.index.apply_batch(REPLICAS[0], batch) == Applied(stored=3)

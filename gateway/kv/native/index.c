@@ -33,6 +33,7 @@
 #define MAX_DEPTH 64
 #define NIL UINT32_MAX
 #define MIN_SLOTS 64u
+#define TOKEN_RUN 256 /* token ids hashed at a time: a block of any size needs no buffer of its size */
 
 static const char SEED[] = "kvgate-precise"; /* index._SEED without its trailing NUL (added below) */
 
@@ -85,13 +86,6 @@ static void namespace_seed(const uint8_t *name, size_t name_len, int has_name, c
     blake3_hasher_finalize(&h, out, KEY_BYTES);
 }
 
-static void chain_key(const uint8_t prev[KEY_BYTES], const int64_t *tokens, size_t n, uint8_t out[KEY_BYTES]) {
-    blake3_hasher h;
-    blake3_hasher_init(&h);
-    blake3_hasher_update(&h, prev, KEY_BYTES);
-    blake3_hasher_update(&h, tokens, n * 8); /* array("q", ...).tobytes() on a little-endian machine */
-    blake3_hasher_finalize(&h, out, KEY_BYTES);
-}
 
 /* ------------------------------------------------------------------ Table */
 
@@ -762,8 +756,6 @@ typedef struct {
     Table *table; /* NULL: not mirrored */
     uint64_t column;
     long block_size; /* 0: none seen */
-    int64_t *tokens; /* one block's token ids, reused */
-    size_t tokens_cap;
 } View;
 
 static int view_reset(View *v) {
@@ -1025,7 +1017,6 @@ static void View_dealloc(View *self) {
     PyMem_Free(self->entries);
     PyMem_Free(self->by_hash);
     PyMem_Free(self->holds);
-    PyMem_Free(self->tokens);
     Py_XDECREF(self->table);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1099,7 +1090,8 @@ static PyObject *View_items(View *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
-/* One stored event's blocks: keys chained from its parent's key or its namespace's seed. */
+/* One stored event's blocks: keys chained from its parent's key or its namespace's seed (as
+ * index.block_keys chains them). */
 static int apply_stored(View *v, Events *b, Ev *ev, Py_ssize_t *stored, Py_ssize_t *skipped) {
     uint8_t prev[KEY_BYTES];
     v->block_size = ev->block_size;
@@ -1119,16 +1111,25 @@ static int apply_stored(View *v, Events *b, Ev *ev, Py_ssize_t *stored, Py_ssize
         memcpy(prev + 8, &v->entries[e].k1, 8);
     }
     uint32_t count = ev->keyable < MAX_BLOCKS ? ev->keyable : MAX_BLOCKS;
-    if (grow((void **)&v->tokens, &v->tokens_cap, ev->block_size, sizeof(int64_t)) < 0) return -1;
     Reader r = {ev->tokens, (const uint8_t *)PyBytes_AS_STRING(b->payload) + PyBytes_GET_SIZE(b->payload)};
+    int64_t tokens[TOKEN_RUN];
     for (uint32_t k = 0; k < count; k++) {
-        for (uint32_t t = 0; t < ev->block_size; t++) {
-            Item it;
-            next_item(&r, &it); /* checked by parse() */
-            v->tokens[t] = (int64_t)it.u;
-        }
+        /* blake3(previous key || the block's token ids as int64 LE), fed a run of tokens at a time */
         uint8_t key[KEY_BYTES];
-        chain_key(prev, v->tokens, ev->block_size, key);
+        blake3_hasher h;
+        blake3_hasher_init(&h);
+        blake3_hasher_update(&h, prev, KEY_BYTES);
+        for (uint32_t left = ev->block_size; left;) {
+            uint32_t run = left < TOKEN_RUN ? left : TOKEN_RUN;
+            for (uint32_t t = 0; t < run; t++) {
+                Item it;
+                next_item(&r, &it); /* checked by parse() */
+                tokens[t] = (int64_t)it.u;
+            }
+            blake3_hasher_update(&h, tokens, (size_t)run * 8);
+            left -= run;
+        }
+        blake3_hasher_finalize(&h, key, KEY_BYTES);
         memcpy(prev, key, KEY_BYTES);
         if (view_add(v, b->ids[ev->ids_at + k], load_le64(key), load_le64(key + 8)) < 0) return -1;
         (*stored)++;
