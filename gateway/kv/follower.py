@@ -341,6 +341,7 @@ class KvFollower:
             )
         for kind, count in batch.kinds().items():
             self.metrics.kv_events.labels(url, kind).inc(count)
+        self.metrics.kv_event_batches.labels(url, "python" if batch.native is None else "c").inc()
         self.index.apply_batch(url, batch, rank)
         self.metrics.kv_event_lag.labels(url).set(max(0.0, self.clock() - batch.ts))
         stream = self.streams.get(rank)

@@ -160,6 +160,12 @@ class Metrics:
             "kvgate_kv_event_follower_errors", "KV event follower failures (restarted after a pause)",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.kv_event_batches = Counter(
+            "kvgate_kv_event_batches",
+            "KV event batches applied, by where they were read: c (kv._native, the plain case) or python "
+            "(kv/events.py: a batch C does not take whole)",
+            ["replica", "read_in"], registry=r,
+        )  # fmt: skip
         self.loads = Counter(
             "kvgate_adapter_loads", "Adapter loads, by the scheduler's reason (loaded: a miss; spread: hot)",
             ["replica", "outcome", "reason"], registry=r,
@@ -298,7 +304,8 @@ class Metrics:
         family of each name on the page."""
         kv = (self.kv_events, self.kv_event_malformed, self.kv_event_gaps, self.kv_event_replays,
               self.kv_view_resets, self.kv_event_lag, self.kv_view_blocks, self.kv_events_state,
-              self.kv_event_sources_skipped, self.kv_event_dropped, self.kv_event_errors)  # fmt: skip
+              self.kv_event_sources_skipped, self.kv_event_dropped, self.kv_event_errors,
+              self.kv_event_batches)  # fmt: skip
         for metric in kv:
             self.registry.unregister(metric)
 

@@ -173,6 +173,10 @@ async def test_events_arrive_decode_and_a_version_never_counts_for_another(
         )
         assert sample(metrics, "kvgate_kv_events_total", replica=replica.url, kind="BlockStored") >= 1
         assert sample(metrics, "kvgate_kv_events_malformed_total", replica=replica.url) == 0
+        batches = {way: sample(metrics, "kvgate_kv_event_batches_total", replica=replica.url, read_in=way)
+                   for way in ("c", "python")}  # fmt: skip
+        assert batches["c"] >= 1, batches
+        assert batches["python"] == 0, "vLLM's own batches are read in C, every one"
         async with http.get(
             f"{gateway.url}/kvgate/status", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
         ) as response:
