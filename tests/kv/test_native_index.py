@@ -216,6 +216,7 @@ def stored(**fields: Any) -> list[Any]:
         (msgpack.packb([1.5, [], "0"]), "a rank that is not an int"),
         (msgpack.packb(PLAIN) + b"\x00", "bytes after the batch"),
         (msgpack.packb(PLAIN)[:-3], "a cut batch"),
+        (b"\x93\x01\x91\x81\xacblock_hashes\xdd\xff\xff\xff\xff", "a count of hashes the bytes cannot hold"),
     ],
 )
 def test_a_batch_past_the_plain_case_is_left_to_python(payload: bytes, why: str) -> None:

@@ -50,6 +50,13 @@ static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer: vLLM's has
     return x;
 }
 
+/* Linear probing's deletion, for every table here: slot i was emptied and j is the next full slot of its
+ * run; the entry at j (home slot `home`) stays where it is when its home lies cyclically in (i, j],
+ * else it moves back into i (no tombstones: probes stay short). */
+static inline int stays(uint64_t i, uint64_t j, uint64_t home) {
+    return i <= j ? (i < home && home <= j) : (home > i || home <= j);
+}
+
 static inline uint64_t load_le64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -134,8 +141,7 @@ static void table_delete(Table *t, uint64_t i) { /* inside the seqlock */
         uint64_t key = w[t->keys_at + j];
         if (key == 0) break;
         uint64_t home = key & mask;
-        int stays = i <= j ? (i < home && home <= j) : (home > i || home <= j);
-        if (stays) continue;
+        if (stays(i, j, home)) continue;
         w[t->keys_at + i] = key;
         for (uint64_t k = 0; k < width; k++) w[t->masks_at + i * width + k] = w[t->masks_at + j * width + k];
         i = j;
@@ -507,6 +513,7 @@ static int read_hashes(Events *b, const uint8_t *at, const uint8_t *end, uint32_
     Reader r = {at, end};
     Item it;
     if (!at || next_item(&r, &it) < 0 || it.type != T_ARRAY) return -1;
+    if (it.len > (size_t)(r.end - r.p)) return -1; /* a count the bytes cannot hold: never allocated */
     if (grow((void **)&b->ids, &b->cap_ids, b->n_ids + it.len, sizeof(uint64_t)) < 0) return -2;
     for (uint32_t k = 0; k < it.len; k++)
         if (read_hash(&r, &b->ids[b->n_ids + k]) < 0) return -1;
@@ -794,8 +801,7 @@ static void by_hash_delete(View *v, uint32_t i) {
         uint32_t e = v->by_hash[j];
         if (e == 0) break;
         uint32_t home = (uint32_t)mix64(v->entries[e - 1].hash) & mask;
-        int stays = i <= j ? (i < home && home <= j) : (home > i || home <= j);
-        if (stays) continue;
+        if (stays(i, j, home)) continue;
         v->by_hash[i] = e;
         i = j;
     }
@@ -872,8 +878,7 @@ static void release_key(View *v, uint64_t k0, uint64_t k1) {
         j = (j + 1) & mask;
         if (!v->holds[j].count) break;
         uint32_t home = (uint32_t)mix64(v->holds[j].k0) & mask;
-        int stays = i <= j ? (i < home && home <= j) : (home > i || home <= j);
-        if (stays) continue;
+        if (stays(i, j, home)) continue;
         v->holds[i] = v->holds[j];
         i = j;
     }
