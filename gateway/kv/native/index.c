@@ -429,7 +429,7 @@ typedef struct {
     size_t n_ids, cap_ids;
     double ts;
     PyObject *rank; /* int or None */
-    Py_ssize_t stored, removed, cleared, blocks;
+    Py_ssize_t stored, removed, cleared;
 } Events;
 
 static void Events_dealloc(Events *self) {
@@ -452,13 +452,10 @@ static PyObject *Events_rank(Events *self, void *Py_UNUSED(closure)) {
     return self->rank;
 }
 
-static PyObject *Events_blocks(Events *self, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(self->blocks); }
-
 static PyGetSetDef Events_getset[] = {
     {"ts", (getter)Events_ts, NULL, "the batch's time", NULL},
     {"rank", (getter)Events_rank, NULL, "its data-parallel rank, or None", NULL},
     {"counts", (getter)Events_counts, NULL, "events by type", NULL},
-    {"blocks", (getter)Events_blocks, NULL, "block hashes in all its events", NULL},
     {NULL},
 };
 
@@ -482,21 +479,22 @@ static int grow(void **array, size_t *cap, size_t need_n, size_t item) {
     return 0;
 }
 
-/* Fields by name: vLLM's field order (events.STORED_FIELDS, REMOVED_FIELDS) for positional events. */
-static const char *STORED_FIELDS[] = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                                      "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                                      "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"};
-static const char *REMOVED_FIELDS[] = {"block_hashes", "medium", "group_idx", "locality", "ownership"};
+/* The fields read, by name (map-encoded events) ... */
+enum { F_HASHES, F_PARENT, F_TOKENS, F_SIZE, F_LORA, F_MEDIUM, F_EXTRA, F_GROUP, N_USED };
+static const char *USED_FIELDS[N_USED] = {"block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                          "lora_name", "medium", "extra_keys", "group_idx"};
+/* ... and by position (positional events), in vLLM's field order (events.STORED_FIELDS, REMOVED_FIELDS):
+ * each position's field, or -1 for one kvgate does not read (lora_id, kv_cache_spec_kind, ...). */
 #define N_STORED 14
 #define N_REMOVED 5
-enum { F_HASHES, F_PARENT, F_TOKENS, F_SIZE, F_LORA, F_MEDIUM, F_EXTRA, F_GROUP, N_USED };
+static const int8_t STORED_AT[N_STORED] = {F_HASHES, F_PARENT, F_TOKENS, F_SIZE, -1, F_MEDIUM, F_LORA, F_EXTRA,
+                                           F_GROUP, -1, -1, -1, -1, -1};
+static const int8_t REMOVED_AT[N_REMOVED] = {F_HASHES, F_MEDIUM, F_GROUP, -1, -1};
 
 static int used_field(const Item *key) {
-    static const char *used[N_USED] = {"block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                       "lora_name", "medium", "extra_keys", "group_idx"};
     if (key->type != T_STR) return -1;
     for (int f = 0; f < N_USED; f++)
-        if (str_is(key, used[f])) return f;
+        if (str_is(key, USED_FIELDS[f])) return f;
     return -1;
 }
 
@@ -601,7 +599,6 @@ static int read_tokens(Ev *ev, const uint8_t *at, const uint8_t *end) {
 /* One event into b: 0, -1 where Python decides, -2 out of memory. */
 static int parse_event(Events *b, Reader *r) {
     const uint8_t *field[N_USED] = {0};
-    const uint8_t *start = r->p;
     Item head, tag = {0};
     if (next_item(r, &head) < 0) return -1;
     if (head.type == T_MAP) {
@@ -622,26 +619,19 @@ static int parse_event(Events *b, Reader *r) {
         if (!tagged) return -1;
     } else if (head.type == T_ARRAY && head.len > 0) {
         if (next_item(r, &tag) < 0 || tag.type != T_STR) return -1;
-        const char **order = NULL;
+        const int8_t *at = NULL;
         uint32_t known = 0;
-        if (str_is(&tag, "BlockStored")) order = STORED_FIELDS, known = N_STORED;
-        else if (str_is(&tag, "BlockRemoved")) order = REMOVED_FIELDS, known = N_REMOVED;
-        if (order && head.len - 1 > known) return -1;
+        if (str_is(&tag, "BlockStored")) at = STORED_AT, known = N_STORED;
+        else if (str_is(&tag, "BlockRemoved")) at = REMOVED_AT, known = N_REMOVED;
+        if (at && head.len - 1 > known) return -1;
         for (uint32_t k = 1; k < head.len; k++) {
-            const uint8_t *value = r->p;
-            if (order) {
-                Item name = {.type = T_STR, .s = (const uint8_t *)order[k - 1],
-                             .len = (uint32_t)strlen(order[k - 1])};
-                int f = used_field(&name);
-                if (f >= 0) field[f] = value;
-            }
+            if (at && at[k - 1] >= 0) field[at[k - 1]] = r->p;
             if (skip_item(r, 1) < 0) return -1;
         }
     } else {
         return -1;
     }
     const uint8_t *end = r->p;
-    (void)start;
     if (grow((void **)&b->ev, &b->cap_ev, b->n_ev + 1, sizeof(Ev)) < 0) return -2;
     Ev *ev = &b->ev[b->n_ev];
     memset(ev, 0, sizeof(Ev));
@@ -657,7 +647,7 @@ static int parse_event(Events *b, Reader *r) {
     if (str_is(&tag, "BlockRemoved")) {
         ev->kind = K_REMOVED;
         if ((got = read_hashes(b, field[F_HASHES], end, &ev->n)) < 0) return got;
-        b->n_ids += ev->n, b->blocks += ev->n;
+        b->n_ids += ev->n;
         b->n_ev++, b->removed++;
         return 0;
     }
@@ -685,7 +675,7 @@ static int parse_event(Events *b, Reader *r) {
     Item lora;
     if (opt_str(field[F_LORA], end, &lora) < 0) return -1;
     if (read_extra(ev, field[F_EXTRA], end, &lora) < 0) return -1;
-    b->n_ids += ev->n, b->blocks += ev->n;
+    b->n_ids += ev->n;
     b->n_ev++, b->stored++;
     return 0;
 }
@@ -706,7 +696,7 @@ static PyObject *parse(PyObject *Py_UNUSED(module), PyObject *payload) {
     if (!b) return NULL;
     b->payload = NULL, b->rank = NULL, b->ev = NULL, b->ids = NULL;
     b->n_ev = b->cap_ev = b->n_ids = b->cap_ids = 0;
-    b->stored = b->removed = b->cleared = b->blocks = 0;
+    b->stored = b->removed = b->cleared = 0;
     b->ts = ts.type == T_FLOAT ? ts.f : ts.negative ? (double)ts.i : (double)ts.u;
     for (uint32_t k = 0; k < events.len; k++) {
         int got = parse_event(b, &r);
@@ -1225,16 +1215,9 @@ static PyTypeObject ViewType = {
 
 /* ------------------------------------------------------------------ the module */
 
-static PyObject *hash_id(PyObject *Py_UNUSED(module), PyObject *hash) {
-    uint64_t id;
-    if (hash_arg(hash, &id) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(id);
-}
-
 static PyMethodDef module_methods[] = {
     {"parse", (PyCFunction)parse, METH_O,
      "parse(payload: bytes) -> Events | None: a batch read in C, or None where kv/events.py decides"},
-    {"hash_id", (PyCFunction)hash_id, METH_O, "hash_id(hash) -> the 64-bit id a view keeps for it"},
     {NULL},
 };
 
