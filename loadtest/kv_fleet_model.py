@@ -37,7 +37,7 @@ from pathlib import Path
 import msgpack
 
 from gateway.dev import generated_docs
-from gateway.kv.events import decode_message, decode_payload
+from gateway.kv.events import decode_message
 from gateway.kv.index import PreciseIndex
 from gateway.kv.shared_index import Layout, SharedReader, SharedRegion, SharedWriter, create
 
@@ -75,24 +75,17 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     index = PreciseIndex(args.sample * 2, mirror=writer)
     timed: dict[str, list[float]] = {"decode_us": [], "apply_us": [], "py_decode_us": [], "py_apply_us": []}
     for replica, payload in batches:  # timed (no tracemalloc: it slows every allocation)
+        url = urls[replica]
         for path in ("", "py_"):  # the C path, then the Python path on the same batch, emptied between
             began = time.perf_counter()
-            if path:
-                index.apply(urls[replica], decode_payload(b"kv", 0, payload).events, 0)
-            else:
-                batch = decode_message([b"kv", bytes(8), payload], native=True)
-                assert batch.native is not None, "a plain batch is read in C"
-                decoded = time.perf_counter()
-                index.apply_batch(urls[replica], batch, 0)
+            batch = decode_message([b"kv", bytes(8), payload], native=not path)
+            assert (batch.native is None) == bool(path), "a plain batch is read in C, when asked"
+            decoded = time.perf_counter()
+            index.apply_batch(url, batch, 0)  # Python's path: PreciseIndex.apply on the events
             applied = time.perf_counter()
-            if path:  # decode_payload's own share, timed apart
-                began_decode = time.perf_counter()
-                decode_payload(b"kv", 0, payload)
-                decoded = applied - (time.perf_counter() - began_decode)
             timed[f"{path}decode_us"].append((decoded - began) / per_batch * 1e6)
             timed[f"{path}apply_us"].append((applied - decoded) / per_batch * 1e6)
-            if not path:
-                index.clear(urls[replica])
+            index.clear(url)
     held = per_batch * len(batches)
     for url in urls:
         index.clear(url)
