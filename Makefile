@@ -189,7 +189,7 @@ loadtest-edge: $(VENV)/.done
 loadtest-metrics: $(VENV)/.done
 	$(PY) -m loadtest.metrics_cardinality --ids 1000 10000 100000 --end-to-end 1000 --out docs/observability.md
 
-# One replica's KV events flooded at kvgate (loadtest/kv_flood.py): 100,000 blocks/s for 15 s beside steady
+# One replica's KV events flooded at kvgate (loadtest/kv_flood.py): 100,000 then 500,000 blocks/s for 15 s beside steady
 # small requests, --workers 1 and 2; the block in docs/scale.md (a few minutes).
 .PHONY: loadtest-kv-flood
 loadtest-kv-flood: $(VENV)/.done
