@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import socket
 from collections import Counter
@@ -44,6 +45,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.core.errors import BadRequest, KvgateError, RequestTimeout, TooManyConnections
+from gateway.request.body_lane import Handover
 from gateway.settings.model import Settings
 
 
@@ -113,6 +115,7 @@ async def running(
     (a listening socket this process inherited: ``--workers``), on it, not on ``host``:``port``."""
     limits = app.get(EDGE) or EdgeLimits.of(Settings.model_construct())  # defaults, no environment
     raise_open_files_limit()
+    app.on_response_prepare.append(_close_handed_over)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     server = runner.server
@@ -186,6 +189,7 @@ class EdgeConnection(RequestHandler):
         self.partial = False  # bytes of a request head arrived while its deadline runs
         self.body: StreamReader | None = None  # the body being received, under the body deadline
         self.discarding = False  # timed out: input is dropped until the connection closes (LINGER)
+        self.handed = False  # its request's body was handed over (``hand_over``): it closes after the answer
 
     def handle_error(
         self,
@@ -241,6 +245,40 @@ class EdgeConnection(RequestHandler):
         elif self.body is not None and self.body.is_eof():
             self._disarm()
 
+    def hand_over(self, request: BaseRequest) -> Handover | None:
+        """The body of ``request`` (the one being handled) taken from aiohttp as it arrives: reading
+        stops, what arrived is drained from aiohttp's buffers, and the rest is left on the socket, whose
+        duplicate goes with it (its deadline too: its timer stops here). aiohttp's parser never sees the
+        body end, so the connection closes after the answer (``Connection: close``). None when there is
+        nothing to take (no body under way on this connection); ``fd`` None when it had all arrived
+        (nothing is taken: the connection goes on as usual)."""
+        body, transport, deadline = self.body, self.transport, self.deadline
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        length = request.content_length
+        if body is None or request.content is not body or deadline is None or sock is None or length is None:
+            return None
+        self._pause_reading_for_buffer()  # aiohttp's own flow control does not resume it now
+        seconds = max(0.0, deadline.when() - self._loop.time())
+        arrived = []
+        while chunk := body.read_nowait(-1):  # reading it may let the parser feed what it held back
+            arrived.append(chunk)
+        got = b"".join(arrived)
+        if body.is_eof():  # it was all in: nothing to take
+            self._resume_reading_for_buffer()
+            return Handover(got, None, length, seconds, self.limits.body_timeout, _nothing)
+        self._disarm()
+        body.feed_eof()  # aiohttp reads no more of it (nor lingers on it after the answer)
+        self.handed = True
+        fd = os.dup(sock.fileno())
+        return Handover(got, fd, length, seconds, self.limits.body_timeout, self._abandon)
+
+    def _abandon(self) -> None:
+        """A handed-over body not read whole (late, or failed): the rest is dropped, then it closes."""
+        if self.transport is None:
+            return
+        self._resume_reading_for_buffer()
+        self._close_after_linger()
+
     def _between_requests(self) -> bool:
         return self.body is None and not self._messages and self._current_request is None
 
@@ -287,6 +325,19 @@ class EdgeConnection(RequestHandler):
     def _close_after_linger(self) -> None:
         self.discarding = True
         self._arm(LINGER, self.force_close)
+
+
+async def _close_handed_over(request: web.Request, response: web.StreamResponse) -> None:
+    """A connection whose body was handed over (``EdgeConnection.hand_over``) closes after its answer."""
+    protocol = request.protocol
+    if isinstance(protocol, EdgeConnection) and protocol.handed:
+        response.headers["Connection"] = "close"  # aiohttp wrote its headers before this hook
+        if not protocol.discarding:  # else it closes once the rest of the body is dropped (LINGER)
+            response.force_close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _refuse(address: str, cap: int) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:

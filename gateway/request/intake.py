@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.core.body import Body, decode, forwarded, stream_flag
-from gateway.core.errors import BadRequest, BodyTooLarge, ResponseNotFound
+from gateway.core.errors import BadRequest, BodyTooLarge, RequestTimeout, ResponseNotFound
 from gateway.core.model import Target
 from gateway.core.prefix import PREFIX_CHARS, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, replica_id, response_id, response_owner, response_parts
@@ -33,15 +34,16 @@ from gateway.fleet.backends import BackendDialect
 from gateway.fleet.replicas import Replica
 from gateway.kv.prompt_tokens import PromptTokens, Tokens
 from gateway.request.admin import Admin, AdminOptions
-from gateway.request.parsing import BodyParser
+from gateway.request.body_lane import BodyLane, Handover, HandsOver, Held, HeldUpstream
 from gateway.request.routes import Route
 from gateway.table.callers import Caller
 from gateway.telemetry.metrics import Metrics
 
 INLINE_PARSE_BYTES = 32 * 1024
-"""Bodies larger than this are decoded in the parsing process (``parsing``): parsing, rendering and
-tokenizing hold the GIL, and a prompt of this many characters is where tokenizing it starts to cost
-milliseconds (``prompt_tokens.MAX_CHARS``); below it, the round trip costs more than the work."""
+"""Bodies larger than this are read (if still arriving) and decoded in the body lane (``body_lane``):
+parsing, rendering and tokenizing hold the GIL, and a prompt of this many characters is where
+tokenizing it starts to cost milliseconds (``prompt_tokens.MAX_CHARS``); below it, the round trip costs
+more than the work."""
 CHUNKED_SEND_BYTES = 1024 * 1024
 """Upstream bodies larger than this go out in 64 KiB writes, with the event loop free between them."""
 _OWNED_BY_MINTING = frozenset(("request_id",))
@@ -67,6 +69,7 @@ class ParsedRequest:
     form: tuple[FormField, ...] = ()  # a multipart body
     path_id: str = ""  # the response id or model named in the path
     tokens: Tokens | None = None  # a large body's prompt tokens, computed where it was parsed
+    held: Held | None = None  # a body the body lane read and holds (then ``raw`` is empty)
 
     @property
     def body(self) -> dict[str, Any]:
@@ -110,10 +113,10 @@ class Intake:
         self.admin = admin
         self.replicas = {replica_id(r.url): r for r in replicas}
         self.max_body_bytes = max_body_bytes
-        self.parser = BodyParser(tokens, metrics)
+        self.lane = BodyLane(tokens, metrics)
 
     def close(self) -> None:
-        self.parser.close()
+        self.lane.close()
 
     async def parse(self, request: web.Request, route: Route, caller: Caller | None) -> ParsedRequest:
         parsed = await self._read(request, route, caller)
@@ -137,17 +140,42 @@ class Intake:
                 return ParsedRequest(route, caller, model, False, admin, path_id=model)
             if not route.has_body:
                 return ParsedRequest(route, caller, "", False, admin)
-            raw = await request.read()
+            owned = _OWNED_BY_MINTING if route.mints_response_id else frozenset()
+            handover = _hand_over(request)
+            if handover is not None and handover.fd is not None:  # the body lane reads it
+                decoded, tokens, held = await self._take(handover, route, owned)
+                parsed = ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded)
+                parsed.tokens, parsed.held = tokens, held
+                return parsed
+            raw = handover.arrived if handover is not None else await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise BodyTooLarge(f"request body is over the {limit}-byte limit") from exc
-        owned = _OWNED_BY_MINTING if route.mints_response_id else frozenset()
         tokens = None
         if len(raw) <= INLINE_PARSE_BYTES:
             decoded = decode(raw, model_optional=route.model_optional, owned=owned)
-        else:
-            parsing = self.parser.parse(raw, route.path, model_optional=route.model_optional, owned=owned)
-            decoded, tokens = await parsing  # in the parsing process: no other request waits for it
+        else:  # in the body lane: no other request waits for it
+            decoded, tokens = await self.lane.parse(
+                raw, route.path, model_optional=route.model_optional, owned=owned
+            )
         return ParsedRequest(route, caller, decoded.model, decoded.stream, admin, decoded, raw, tokens=tokens)
+
+    async def _take(
+        self, handover: Handover, route: Route, owned: frozenset[str]
+    ) -> tuple[Body, Tokens | None, Held]:
+        assert handover.fd is not None
+        try:
+            return await self.lane.take(
+                handover, route.path, model_optional=route.model_optional, owned=owned
+            )
+        except BadRequest as exc:  # a body read whole that is not a good request: the connection closes
+            if isinstance(exc, RequestTimeout):
+                handover.abandon()  # not read whole: the rest is dropped before the connection closes
+            raise
+        except BaseException:
+            handover.abandon()
+            raise
+        finally:
+            os.close(handover.fd)
 
     async def _form(
         self, request: web.Request, route: Route, caller: Caller | None, admin: AdminOptions
@@ -199,12 +227,26 @@ class Intake:
         return replace(parsed, admin=replace(parsed.admin, pin=replica))
 
 
+def _hand_over(request: web.Request) -> Handover | None:
+    """A large body taken from the server as it arrives (``body_lane``): not one whose bytes on the
+    wire are not its JSON (a ``Content-Encoding``), nor on a connection that cannot hand it over."""
+    length = request.content_length
+    if (
+        length is None
+        or length <= INLINE_PARSE_BYTES
+        or request.headers.get("Content-Encoding", "identity") != "identity"
+    ):
+        return None
+    protocol = request.protocol
+    return protocol.hand_over(request) if isinstance(protocol, HandsOver) else None
+
+
 def _owns(caller: Caller | None, owner: str) -> bool:
     """Whether ``caller`` may follow up a response with this owner (None: keys off or the operator)."""
     return caller is None or response_owner(caller.tenant) == owner
 
 
-Upstream = bytes | io.BytesIO | aiohttp.FormData | None
+Upstream = bytes | io.BytesIO | aiohttp.FormData | HeldUpstream | None
 
 
 def upstream_body(
@@ -226,7 +268,13 @@ def upstream_body(
     if parsed.route.mints_response_id:
         owned["request_id"] = response_id(replica_url, parsed.tenant)
     changed = target.version is not None or bool(set(owned) - {"model"}) or parsed.decoded.namespaced
-    body = forwarded(parsed.decoded, owned) if changed else parsed.raw
+    if parsed.held is not None:  # the body lane sends it
+        return HeldUpstream(parsed.held, owned if changed else None)
+    return chunked(forwarded(parsed.decoded, owned) if changed else parsed.raw)
+
+
+def chunked(body: bytes) -> bytes | io.BytesIO:
+    """A very large body as aiohttp's client sends it in pieces (``CHUNKED_SEND_BYTES``)."""
     return io.BytesIO(body) if len(body) > CHUNKED_SEND_BYTES else body
 
 

@@ -58,7 +58,8 @@ from gateway.kv.tokenizers import Tokenizers
 from gateway.request import relay, spans
 from gateway.request.admin import Admin
 from gateway.request.auth import Auth
-from gateway.request.intake import Intake, ParsedRequest, upstream_body
+from gateway.request.body_lane import HeldUpstream
+from gateway.request.intake import Intake, ParsedRequest, chunked, upstream_body
 from gateway.request.placement import Placement
 from gateway.request.routes import Route
 from gateway.request.stages import Keying, Targeting
@@ -177,6 +178,7 @@ class Proxy:
         """The request path, one call per stage (the module's docstring says what each does)."""
         counts = Accounting(time.monotonic())
         spanning = self._span() if self.tracing else contextlib.nullcontext(INVALID_SPAN)
+        parsed: ParsedRequest | None = None
         with spanning as span:
             try:
                 caller = self.auth.caller(request)  # 1 authorize
@@ -198,6 +200,8 @@ class Proxy:
                 raise
             finally:
                 self.account(counts)  # 9 account
+                if parsed is not None and parsed.held is not None:
+                    parsed.held.release()  # the body lane drops the body it held
 
     def _span(self) -> contextlib.AbstractContextManager[Span]:
         return self.tracer.start_as_current_span("kvgate.proxy", kind=SpanKind.SERVER)
@@ -295,7 +299,8 @@ class Proxy:
         replica, started = reservation.replica, counts.started
         route = parsed.route
         body = upstream_body(parsed, target, replica.url, self.dialect, namespaces=self.options.namespaces)
-        headers = {"Content-Type": "application/json"} if isinstance(body, bytes | io.BytesIO) else {}
+        json_body = isinstance(body, bytes | io.BytesIO | HeldUpstream)
+        headers = {"Content-Type": "application/json"} if json_body else {}
         if AUTHORIZATION_HEADER in request.headers and not self.auth.on:  # with keys on: kvgate's, not theirs
             headers[AUTHORIZATION_HEADER] = request.headers[AUTHORIZATION_HEADER]
         if self.tracing:
@@ -312,8 +317,15 @@ class Proxy:
         path = "/v1/models" if route.kind == "model-card" else request.path_qs  # vLLM has no models/{id}
         with relay.UpstreamErrors(there):
             async with replica.connection():
-                if (body is None or isinstance(body, bytes)) and self.upstream.serves(replica.url):
-                    answer = await self.upstream.request(route.method, replica.url, path, body, headers)
+                ours = self.upstream.serves(replica.url)
+                if isinstance(body, HeldUpstream) and not ours:  # aiohttp's client sends it, from here
+                    body = chunked(await body.fetch())
+                if isinstance(body, HeldUpstream) or ((body is None or isinstance(body, bytes)) and ours):
+                    if isinstance(body, HeldUpstream):  # the body lane writes it
+                        via = self.upstream.request_via(route.method, replica.url, path, headers, body.write)
+                    else:
+                        via = self.upstream.request(route.method, replica.url, path, body, headers)
+                    answer = await via
                     try:
                         response = await self.relay(request, parsed, target, answer, out, started)
                     finally:

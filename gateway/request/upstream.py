@@ -18,9 +18,10 @@ uvicorn, under vLLM, after 5 s), and one whose answer was not read to its end is
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import httptools
@@ -28,6 +29,8 @@ import httptools
 IDLE_SECONDS = 2.0
 HIGH_WATER = 1 << 20  # bytes received and not yet taken: past this, reading pauses until they are taken
 _HEAD = b"%s %s HTTP/1.1\r\nHost: %s\r\n"
+Writer = Callable[[int, str, str, str, dict[str, str]], Awaitable[None]]
+"""Writes a request on a connection's socket: (fd, method, host, path, headers)."""
 
 
 class Answer(asyncio.Protocol):
@@ -97,11 +100,19 @@ class Answer(asyncio.Protocol):
 
     # --- the exchange -----------------------------------------------------------------------------
 
-    async def send(self, request: bytes) -> None:
+    async def send(self, request: bytes | None) -> None:
+        """``request`` written (None: the body lane wrote it), then its answer's head awaited."""
         assert self.transport is not None
-        self.transport.write(request)
+        if request is not None:
+            self.transport.write(request)
         while not self.status:
             await self._next()
+
+    def fileno(self) -> int:
+        """A duplicate of this connection's socket (the caller closes it)."""
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        return os.dup(sock.fileno())
 
     async def read(self) -> bytes:
         """The whole body (kept: a second read gives it again)."""
@@ -227,19 +238,30 @@ class Upstream:
     ) -> Answer:
         """Send one request; returns once the answer's status line and headers are in (``release`` it)."""
         host = url.removeprefix("http://")
-        head = _HEAD % (method.encode(), path.encode("utf-8", "surrogateescape"), host.encode())
-        lines = [
-            head,
-            *(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in headers.items()),
-        ]
-        if body is not None or method == "POST":
-            lines.append(b"Content-Length: %d\r\n" % len(body or b""))
-        lines.append(b"\r\n")
-        if body:
-            lines.append(body)
+        length = len(body or b"") if body is not None or method == "POST" else None
+        head = request_head(method, host, path, headers, length)
         answer = await self._connection(url, host)
         try:
-            await answer.send(b"".join(lines))
+            await answer.send(head + body if body else head)
+        except BaseException:
+            answer.close()
+            raise
+        return answer
+
+    async def request_via(
+        self, method: str, url: str, path: str, headers: dict[str, str], write: Writer
+    ) -> Answer:
+        """As ``request``, with the request written by ``write(fd, method, host, path, headers)`` on a
+        duplicate of the connection's socket, from another process (the body lane: ``body_lane``)."""
+        host = url.removeprefix("http://")
+        answer = await self._connection(url, host)
+        try:
+            fd = answer.fileno()
+            try:
+                await write(fd, method, host, path, headers)
+            finally:
+                os.close(fd)
+            await answer.send(None)
         except BaseException:
             answer.close()
             raise
@@ -277,6 +299,18 @@ class Upstream:
             for answer in answers:
                 answer.close()
         self.idle.clear()
+
+
+def request_head(method: str, host: str, path: str, headers: dict[str, str], length: int | None) -> bytes:
+    """A request's line and headers (``length``: its ``Content-Length``, None for none)."""
+    lines = [
+        _HEAD % (method.encode(), path.encode("utf-8", "surrogateescape"), host.encode()),
+        *(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in headers.items()),
+    ]
+    if length is not None:
+        lines.append(b"Content-Length: %d\r\n" % length)
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 def _address(host: str) -> tuple[str, int]:

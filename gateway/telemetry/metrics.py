@@ -80,9 +80,10 @@ class Metrics:
         )
         self.large_bodies = Counter(
             "kvgate_large_bodies",
-            "Request bodies over 32 KiB, by where they were parsed: the parsing process, or a worker thread "
-            "(the parsing process had died; a new one starts)",
-            ["parsed_in"],
+            "Request bodies over 32 KiB, by what read them (read_by: the serving process's loop, or the body "
+            "lane, which took it from the client's socket) and where they were parsed (parsed_in: the body "
+            "lane's process; a worker thread, the lane having died; lost, the lane died holding it)",
+            ["read_by", "parsed_in"],
             registry=r,
         )
         self.kv_event_malformed = Counter(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
 from redis.asyncio import Redis
 
 from tests.request.test_edge_streams import kvgate
@@ -92,8 +93,12 @@ async def test_slow_request_headers_are_cut_at_the_header_deadline(redis: Redis,
     assert status == 200
 
 
-async def test_a_trickling_body_is_cut_at_the_body_deadline_with_408(redis: Redis, tmp_path: Path) -> None:
-    body = json.dumps({"model": "base", "prompt": "p" * 200}).encode()
+@pytest.mark.parametrize("size", [200, 40_000], ids=["small", "read-by-the-body-lane"])
+async def test_a_trickling_body_is_cut_at_the_body_deadline_with_408(
+    redis: Redis, tmp_path: Path, size: int
+) -> None:
+    """Read by the serving process, or (over 32 KiB) by the body lane, on the deadline left to it."""
+    body = json.dumps({"model": "base", "prompt": "p" * size}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -101,8 +106,8 @@ async def test_a_trickling_body_is_cut_at_the_body_deadline_with_408(redis: Redi
     async with gateway(redis, tmp_path, body_timeout=0.5) as address, connection(address) as (reader, writer):
 
         async def trickle() -> None:
-            writer.write(head)
-            for byte in body:
+            writer.write(head + body[:-200])  # a large body's first bytes arrive at once
+            for byte in body[-200:]:
                 writer.write(bytes([byte]))
                 await writer.drain()
                 await asyncio.sleep(0.05)
