@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -251,10 +253,29 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
     return "\n".join(rows)
 
 
+def pinning(args: argparse.Namespace) -> str:
+    if not args.kvgate_cpus:
+        return "no process pinned to a CPU"
+    cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
+    return f"kvgate on CPU {min(args.kvgate_cpus)}, every other process on CPU {cpus}"
+
+
 def niced(args: argparse.Namespace) -> list[str]:
     """The heavy clients and their stub stand for other machines: niced, so that on this small machine
     what the prober sees is kvgate's doing rather than the scheduler sharing its cores among them."""
     return ["nice", "-n", str(args.others_nice)] if args.others_nice else []
+
+
+@contextlib.contextmanager
+def pinned_to(cpus: set[int]) -> Iterator[None]:
+    """Processes started inside run on ``cpus`` (none: where this one does)."""
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -271,12 +292,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--others-nice", type=int, default=19, help="the heavy clients' and their stub's niceness"
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=len(os.sched_getaffinity(0)) > 1,
+        help="kvgate (and its body lane) on the first CPU, everything else on the others (default: on, "
+        "with 2 CPUs or more)",
+    )
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
     parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
     parser.add_argument("--replica", help=argparse.SUPPRESS)  # the stub the heavy bodies are pinned to
     parser.add_argument("--model", default=LOGICAL_ID, help=argparse.SUPPRESS)  # what they name
     args = parser.parse_args(argv)
+    args.kvgate_cpus = {min(os.sched_getaffinity(0))} if args.pin and not args.send else set()
     if min(args.rounds, args.clients) < 2 or args.seconds < 1:
         parser.error("--rounds and --clients must be 2 or more, --seconds 1 or more")
     return args
@@ -295,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "precise" in args.modes and not (args.tokenizer / "tokenizer.json").is_file():
         raise SystemExit(f"{args.tokenizer} holds no tokenizer.json (make setup builds the fixture)")
     generated_docs.started_tree()  # the tree measured, taken before the run
+    if args.kvgate_cpus:  # everything but kvgate (the prober, the stubs, the heavy clients) on the others
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - args.kvgate_cpus)
     py = sys.executable
     results: dict[str, dict[str, Cell]] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
@@ -324,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--workers", "1", "--admin-token", ADMIN_TOKEN, *flags]  # fmt: skip
                 for stub_url in stubs:
                     argv += ["--replica", stub_url]
-                kvgate = fleet.start(f"kvgate-{mode}", argv)
+                with pinned_to(args.kvgate_cpus):  # kvgate and its body lane: a machine of their own
+                    kvgate = fleet.start(f"kvgate-{mode}", argv)
                 url = f"http://127.0.0.1:{port}"
                 wait_ready(kvgate, url + "/healthz")
                 results[mode] = bench(fleet, Under(mode, url, url, LOGICAL_ID), stubs, args)
@@ -337,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.clients} heavy clients back to back; small completions one after another for "
             f"{args.seconds:g} s a phase (idle, then loaded, per shape and round), {args.rounds} rounds; "
             f"the heavy clients and their stub at nice {args.others_nice}, the small requests' stub at 0; "
+            f"{pinning(args)}; "
             f"body bytes: {sizes}. Each figure is the "
             f"median over rounds; the ratio is each round's loaded p99 over its idle p99.\n\n{text}"
         ))  # fmt: skip
