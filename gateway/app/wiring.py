@@ -370,7 +370,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         )  # fmt: skip
         yield
         app[PROXY].upstream.close()
-        app[PROXY].intake.close()  # its body parsing process
+        app[PROXY].intake.close()  # its body lane
         if precise is not None:
             precise.region.close()
             if app[KV_INDEX_FD] != kv_inherited:

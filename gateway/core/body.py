@@ -1,7 +1,7 @@
 """A request body, read once: parsed with a depth limit, checked, and made ready to forward.
 
 Everything here costs in proportion to the body and nothing else does, so the proxy runs it in a
-separate process for large bodies (``request.parsing``), which hands back a ``bounded`` body: the event
+separate process for large bodies (``request.body_lane``), which hands back a ``bounded`` body: the event
 loop never parses, renders or serializes a 4 MB prompt, nor holds its objects. Going up, ``forwarded``
 only copies bytes: where ``model``'s value sits in the client's bytes (``splice``), or the body already
 serialized without the gateway's members (``rest``), is found here, at decode.
@@ -105,7 +105,7 @@ def bounded(body: Body) -> Body:
     Everything the request path computes from it equals what it computes from the whole ``body``:
     the prefix keys (``head``), the split key and the follow-up id (top-level scalars, the leading
     messages), the forwarded bytes (``splice`` or ``rest``); the tokens of a large body are computed
-    where it is parsed (``request.parsing``)."""
+    where it is parsed (``request.body_lane``)."""
     doc = body.doc
     head = prompt_text(doc, PREFIX_CHARS)
     small: dict[str, Any] = {}

@@ -103,7 +103,7 @@ class ChatTemplate:
         return "".join(pieces)
 
     def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str]]:
-        """Compiled anew where it is unpickled (the parsing process: ``request.parsing``)."""
+        """Compiled anew where it is unpickled (the body lane: ``request.body_lane``)."""
         return ChatTemplate, (self.source,)
 
 

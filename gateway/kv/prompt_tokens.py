@@ -25,7 +25,7 @@ without releasing it), so the cut bounds how long one request holds it (``loadte
 measures it). For the same reason a chat template is rendered only until its text passes ``MAX_CHARS``
 (jinja renders in order, so that is the start of the whole text; a failure of the template further on
 is then vLLM's 400, not seen here), and of a prompt given as token ids only the first ``MAX_TOKENS``
-are walked. A large body is tokenized where it is parsed, in the parsing process (``request.parsing``),
+are walked. A large body is tokenized where it is parsed, in the body lane (``request.body_lane``),
 when the tokenizer of ``base_model`` is known at start. The tokens of a prompt tokenized whole are
 ``Whole``: the live check (``kv.live_check``) compares their count with the replica's
 ``usage.prompt_tokens``.

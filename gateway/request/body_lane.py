@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,7 +80,7 @@ class Handover:
     length: int
     seconds: float
     body_timeout: float
-    abandon: Any  # Callable[[], None]
+    abandon: Callable[[], None]
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Stage 1 of the request path (parse), and what goes upstream: the client's request read once, as its
 route's kind says, and the body the chosen replica gets with the gateway's own members in it.
 
-A JSON body is decoded once (``core.body``; a large one in the parsing process, ``parsing``, with its
+A JSON body is decoded once (``core.body``; a large one in the body lane, ``body_lane``, with its
 prompt's tokens when kvgate tokenizes, handed back bounded to what the request path reads); a multipart
 form (audio) is read into memory once, so a retry on another replica sends it again; a follow-up by
 response id and ``/v1/models/{model}`` carry what they name in the path.
