@@ -15,6 +15,10 @@ for the cores as they come). The small requests' stub is not niced: it stands fo
 replica, whose CPU the heavy load elsewhere does not take (niced with the load, as it was until
 2026-12-04, it waited for a core behind the heavy clients, and so did every mode: the stubs alone
 measured 2.3-2.8x idle, the machine's doing, not kvgate's).
+With two CPUs or more (``--pin``, the default), kvgate and its body lane run on the first CPU and every
+other process (this prober, the stubs, the heavy clients) on the others: the kernel here preempts no
+copy in progress, so nice alone let the heavy load's own kernel work (its clients' 4 MB writes) hold the
+small requests wherever they ran, kvgate or not.
 
 Each round, for each body shape, the same prober sends small completions one after another through kvgate
 (for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
