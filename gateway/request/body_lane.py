@@ -243,6 +243,7 @@ class HeldUpstream:
     async def write(self, fd: int, method: str, host: str, path: str, headers: dict[str, str]) -> None:
         """Sent on the replica connection ``fd`` (a failure is the replica's: aiohttp's error class)."""
         lane = self.held.lane
+        lane.holds(self.held)
         args = (self.held.id, self.owned, method, host, path, headers, lane.send_timeout)
         try:
             await lane.call("send", args, (fd,))
@@ -252,6 +253,7 @@ class HeldUpstream:
             raise aiohttp.ClientConnectionError(f"sending the body to the replica failed: {exc!r}") from exc
 
     async def fetch(self) -> bytes:
+        self.held.lane.holds(self.held)
         data: bytes = await self.held.lane.call("fetch", (self.held.id, self.owned))
         return data
 
@@ -322,6 +324,11 @@ class BodyLane:
             return await answer
         finally:
             self.calls.pop(call, None)
+
+    def holds(self, held: Held) -> None:
+        """Raises ``BodyLost`` if the lane that held ``held`` is gone (a new one does not have it)."""
+        if self.channel is None or held.generation != self.generation:
+            raise _lost()
 
     def release(self, held: Held) -> None:
         if self.channel is not None and held.generation == self.generation:

@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,7 +35,7 @@ from gateway.kv.prompt_tokens import (
     PromptTokens,
     of_route,
 )
-from gateway.request.body_lane import BodyLane
+from gateway.request.body_lane import BodyLane, BodyLost, Handover, HeldUpstream
 from gateway.telemetry.metrics import Metrics
 from tests.request.test_deadlines import closed, openai_error, read_response
 from tests.support.adapter_files import MakeAdapter
@@ -260,6 +261,34 @@ async def test_a_lane_that_dies_fails_no_parse_and_is_replaced() -> None:
     assert forwarded(again, {"model": "v"}) == forwarded(first, {"model": "v"})
     assert counted.labels("loop", "process")._value.get() == 2
     assert counted.labels("loop", "thread")._value.get() == 1
+
+
+async def test_a_body_held_by_a_lane_that_died_is_lost_not_sent_by_the_next() -> None:
+    """The lane took a body (from a socket), then died: sending or fetching that body raises
+    ``BodyLost`` (a 503 the client may retry); the lane that starts next does not have it."""
+    lane = BodyLane(None)
+    raw = orjson.dumps(big("completion", 200_000))
+    client, server = socket.socketpair()
+    try:
+        client.sendall(raw)
+        handover = Handover(b"", os.dup(server.fileno()), len(raw), 30.0, 30.0, lambda: None)
+        body, _, held = await lane.take(handover, COMPLETIONS, model_optional=False, owned=frozenset())
+        os.close(handover.fd or -1)
+        assert body.model == "tenant-42"
+        assert lane.process is not None
+        assert lane.process.pid is not None
+        os.kill(lane.process.pid, signal.SIGKILL)
+        await eventually(lambda: lane.channel is None, "the serving side saw its lane go")
+        upstream = HeldUpstream(held, None)
+        with pytest.raises(BodyLost):
+            await upstream.fetch()
+        await lane.parse(raw, COMPLETIONS, model_optional=False, owned=frozenset())  # a new lane runs
+        with pytest.raises(BodyLost):
+            await upstream.write(server.fileno(), "POST", "replica", COMPLETIONS, {})
+    finally:
+        lane.close()
+        client.close()
+        server.close()
 
 
 async def test_a_body_held_by_a_lane_that_dies_is_a_503_and_the_next_is_served(
