@@ -182,4 +182,4 @@ async def test_configure_script_bootstraps_then_rejoins_after_failover(pods: lis
         return bool(found[0] == "slave" and found[2] == named and found[3] == "connected")
 
     await eventually(rejoined, "pod 0 replicates the master the sentinels name", within=60)
-    assert await kvgate_master_port(pods) == new_master.redis_port
+    assert await kvgate_master_port(pods) == await named_master(first)  # after a second failover too
