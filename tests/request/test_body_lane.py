@@ -193,6 +193,37 @@ async def test_a_big_body_still_arriving_holds_no_request_and_goes_up_whole_from
     assert sent == {**doc, "model": edge.versioned, "cache_salt": sent["cache_salt"]}  # whole, unchanged
 
 
+async def test_a_big_body_sent_after_100_continue_is_read_by_the_lane(
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
+) -> None:
+    """curl's way with a large body (``Expect: 100-continue``): the body comes only after kvgate's
+    100 Continue, so none of it has arrived when the lane takes it; it is answered and goes up whole."""
+    doc = big("completion", 1_000_000)
+    raw = orjson.dumps(doc)
+    async with kvgate(redis, tmp_path, make_adapter) as edge:
+        taken = await metric(edge.url, LANE_READ)
+        parts = urlsplit(edge.url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            head = head_of("/v1/completions", len(raw)).replace(
+                b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n"
+            )
+            writer.write(head)
+            await writer.drain()
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            assert interim.startswith(b"HTTP/1.1 100 Continue")
+            writer.write(raw)
+            await writer.drain()
+            status, headers, answer = await read_response(reader)
+        finally:
+            writer.close()
+        assert status == 200, answer[:300]
+        assert headers["connection"] == "close"
+        assert await metric(edge.url, LANE_READ) == taken + 1
+    sent = edge.stub.received[-1]
+    assert sent == {**doc, "model": edge.versioned, "cache_salt": sent["cache_salt"]}
+
+
 @pytest.mark.parametrize("shape", ["token ids", "completion"])
 async def test_a_big_body_from_the_lane_is_answered_as_any_other(
     redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, shape: str
