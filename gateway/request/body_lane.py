@@ -346,6 +346,8 @@ class BodyLane:
             theirs.close()
             self.generation += 1
             self.channel = Channel(ours, self._answered, self._lost)
+            if self.metrics is not None:
+                self.metrics.body_lane_starts.inc()
         return self.channel
 
     def _answered(self, message: tuple[int, bool, Any], fds: list[int]) -> None:

@@ -107,13 +107,14 @@ class Intake:
         max_body_bytes: int,
         tokens: PromptTokens | None = None,
         metrics: Metrics | None = None,
+        send_timeout: float = 600.0,
     ) -> None:
         """``tokens``: the tokenizer the tokenize stage uses, when it tokenizes (a large body's prompt is
-        tokenized where it is parsed)."""
+        tokenized where it is parsed); ``send_timeout``: the body lane's bound on writing a body upstream."""
         self.admin = admin
         self.replicas = {replica_id(r.url): r for r in replicas}
         self.max_body_bytes = max_body_bytes
-        self.lane = BodyLane(tokens, metrics)
+        self.lane = BodyLane(tokens, metrics, send_timeout)
 
     def close(self) -> None:
         self.lane.close()

@@ -161,7 +161,8 @@ class Proxy:
         )
         parse_with = keying.tokens.for_base(options.base_model) if keying.tokens is not None else None
         self.intake = Intake(  # stages 1, 2; a large body is tokenized where it is parsed, by base_model's
-            admin, pool.replicas, options.max_body_bytes, parse_with, metrics  # tokenizer if known at start
+            admin, pool.replicas, options.max_body_bytes, parse_with, metrics,  # tokenizer if known at start
+            options.read_timeout,  # the body lane's writes to a replica, as the forward's reads
         )  # fmt: skip
         self.targeting = Targeting(  # stages 3 to 5
             snapshot,

@@ -86,6 +86,11 @@ class Metrics:
             ["read_by", "parsed_in"],
             registry=r,
         )
+        self.body_lane_starts = Counter(
+            "kvgate_body_lane_starts",
+            "Body lanes started (the first at the first large body; each next one replaces a lane that died)",
+            registry=r,
+        )
         self.kv_event_malformed = Counter(
             "kvgate_kv_events_malformed", "KV event messages or events that did not decode (skipped)",
             ["replica"], registry=r,

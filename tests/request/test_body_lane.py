@@ -292,6 +292,7 @@ async def test_a_lane_that_dies_fails_no_parse_and_is_replaced() -> None:
     assert forwarded(again, {"model": "v"}) == forwarded(first, {"model": "v"})
     assert counted.labels("loop", "process")._value.get() == 2
     assert counted.labels("loop", "thread")._value.get() == 1
+    assert metrics.body_lane_starts._value.get() == 2
 
 
 async def test_a_body_held_by_a_lane_that_died_is_lost_not_sent_by_the_next() -> None:
