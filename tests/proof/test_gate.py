@@ -129,8 +129,11 @@ async def test_the_holder_keeps_its_gate_while_an_audit_round_outlasts_the_lease
     store = AdapterStore(tmp_path / "store")
     await publish_adapter(table, store, "t", make_adapter(b"v1"), "base")
     await rollout_adapter(table, store, "t", make_adapter(b"v2"), "base", 5000)
-    a = await worker(table, session, "gw-a", ttl_ms=300, interval_ms=100, canary_class=HeldAudit)
-    b = await worker(table, session, "gw-b", ttl_ms=300, interval_ms=100)
+    # a lease a loaded machine's stalls do not outlast (the key lives a lease and an interval past a
+    # renewal; with 300 ms and a 100 ms interval, a fresh-clone run's stall lost it before the first renewal)
+    ttl = 1200
+    a = await worker(table, session, "gw-a", ttl_ms=ttl, interval_ms=400, canary_class=HeldAudit)
+    b = await worker(table, session, "gw-b", ttl_ms=ttl, interval_ms=400)
     audit = a.canary
     assert isinstance(audit, HeldAudit)
     audit.began, audit.end = asyncio.Event(), asyncio.Event()
@@ -145,7 +148,7 @@ async def test_the_holder_keeps_its_gate_while_an_audit_round_outlasts_the_lease
 
     async def renewed_past_the_first_lease() -> bool:
         until = await redis.hget(gate_key, "until_ms")
-        return until is not None and int(until) > first_until + 300
+        return until is not None and int(until) > first_until + ttl
 
     await eventually(renewed_past_the_first_lease, "a renews its lease while its audit runs")
     await b.run_round()  # the first lease is over by now: only a's renewals hold it
