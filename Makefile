@@ -133,9 +133,11 @@ loadtest-stacks: $(VENV)/.done
 
 # Heavy bodies beside small requests (loadtest/heavy_bodies.py): 8 clients sending 4 MB bodies of each shape
 # (a completion prompt, chat with many messages, token ids) through kvgate in front of two stubs, predicted and
-# precise routing; small requests' p50/p99 idle and loaded side by side: docs/edge-parsing.md's block.
+# precise routing, beside the stubs alone and nginx in kvgate's place (a peer; installs nginx-light when
+# missing); small requests' p50/p99 idle and loaded side by side: docs/edge-parsing.md's block. ~15 minutes.
 .PHONY: loadtest-heavy
 loadtest-heavy: $(VENV)/.done $(FIXTURE_DIR)/.done
+	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
 	$(PY) -m loadtest.heavy_bodies --rounds 3 --tokenizer $(FIXTURE_DIR)/model --out docs/edge-parsing.md
 
 # kvgate's real routing code (a simulation, a few minutes): predicted against precise (KV events) side by side

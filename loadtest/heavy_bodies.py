@@ -4,7 +4,9 @@ Every server runs in its own process on loopback: two vLLM-API stubs (``loadtest
 prefix keys and tokens decide something) and ``kvgate serve --workers 1`` (an adapter published through
 ``kvgate publish``, embedded Redis), started with the helpers of ``loadtest/proxy_overhead.py``. First
 the stubs alone (``direct``: small requests to one, heavy bodies to the other): what the machine itself
-does to the small requests when 8 clients move 4 MB bodies; then kvgate, twice, with precise routing off
+does to the small requests when 8 clients move 4 MB bodies; then nginx where kvgate runs (a peer: one
+worker that reads each body whole into memory and forwards it to the stub the pin header names); then
+kvgate, twice, with precise routing off
 (the predicted index) and on (``--kv-events --tokenizer DIR``, the fixture model's tokenizer and chat
 template; the stubs publish no events, which changes nothing here).
 Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
@@ -41,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -55,16 +58,56 @@ import aiohttp
 from gateway.core.wire import ADMIN_TOKEN_HEADER, PIN_HEADER
 from gateway.dev import generated_docs
 from gateway.process.http_edge import free_port
-from loadtest.proxy_overhead import LOGICAL_ID, Fleet, publish, stop_leftover_redis, wait_ready
+from loadtest.proxy_overhead import (
+    LOGICAL_ID,
+    Fleet,
+    publish,
+    start_nginx,
+    stop_leftover_redis,
+    wait_ready,
+)
 
 BODY_LIMIT = 4 * 1024 * 1024  # kvgate's default max_body_bytes
 BODY_SIZE = BODY_LIMIT - 1024
 SHAPES = ("completion", "chat", "token-ids")
-MODES = ("direct", "predicted", "precise")
+MODES = ("direct", "nginx", "predicted", "precise")
 BASE = "base"  # the stubs' served model: what a request sent to a stub directly names
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
 PACE = 0.01  # seconds between one small request's answer and the next request
 ADMIN_TOKEN = "heavy-bodies-admin"
+NGINX_CONF = """\
+daemon off;
+master_process on;
+worker_processes 1;
+{user}pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    client_max_body_size {body_limit};
+    client_body_buffer_size {body_limit};
+    upstream small {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
+    upstream heavy {{ server 127.0.0.1:{heavy_port}; keepalive 64; }}
+    map $http_{pin} $replica {{ default small; "{heavy_url}" heavy; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://$replica;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+"""A peer in kvgate's place: nginx reads each body whole into memory before it forwards it (as kvgate
+does, which must read a body's start to route it), and sends a pinned request where the pin names."""
 
 
 def small_body(model: str) -> bytes:
@@ -239,12 +282,14 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
 
     rows = [
         "| routing | body shape | idle p50 | loaded p50 | idle p99 | loaded p99 | p99 loaded / idle "
-        "| heavy requests (median s) | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| p99 added | heavy requests (median s) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, cells in results.items():
         for shape, cell in cells.items():
-            ratio = med([lo.p(99) / idle.p(99) for idle, lo in zip(cell.idle, cell.loaded, strict=True)])
+            pairs = list(zip(cell.idle, cell.loaded, strict=True))
+            ratio = med([loaded.p(99) / idle.p(99) for idle, loaded in pairs])
+            added = med([loaded.p(99) - idle.p(99) for idle, loaded in pairs])
             heavy = sum(h.requests for h in cell.heavy)
             errors = sum(len(h.errors) for h in cell.heavy) + sum(p.errors for p in cell.idle + cell.loaded)
             seconds = med([h.median_s for h in cell.heavy])
@@ -252,7 +297,8 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
             loaded50, loaded99 = med([p.p(50) for p in cell.loaded]), med([p.p(99) for p in cell.loaded])
             rows.append(
                 f"| {mode} | {shape} | {idle50:.1f} ms | {loaded50:.1f} ms | {idle99:.1f} ms "
-                f"| {loaded99:.1f} ms | **{ratio:.2f} x** | {heavy} ({seconds:.2f} s) | {errors} |"
+                f"| {loaded99:.1f} ms | **{ratio:.2f} x** | {added:+.1f} ms "
+                f"| {heavy} ({seconds:.2f} s) | {errors} |"
             )
     return "\n".join(rows)
 
@@ -303,6 +349,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="kvgate (and its body lane) on the first CPU, everything else on the others (default: on, "
         "with 2 CPUs or more)",
     )
+    parser.add_argument("--nginx", default=shutil.which("nginx"), help="the nginx binary of the peer")
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
     parser.add_argument("--send", help=argparse.SUPPRESS)  # the heavy clients' process: kvgate's URL
     parser.add_argument("--shape", choices=SHAPES, help=argparse.SUPPRESS)
@@ -325,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return 0
+    if "nginx" in args.modes and not args.nginx:
+        raise SystemExit("no nginx binary (make loadtest-heavy installs Debian's nginx-light): pass --nginx")
     if "precise" in args.modes and not (args.tokenizer / "tokenizer.json").is_file():
         raise SystemExit(f"{args.tokenizer} holds no tokenizer.json (make setup builds the fixture)")
     generated_docs.started_tree()  # the tree measured, taken before the run
@@ -346,6 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in args.modes:
                 if mode == "direct":  # the stubs alone: what the machine does to the small requests
                     results[mode] = bench(fleet, Under(mode, stubs[0], stubs[1], BASE), stubs, args)
+                    continue
+                if mode == "nginx":  # a peer where kvgate runs
+                    ports = [int(url.rsplit(":", 1)[1]) for url in stubs]
+                    with pinned_to(args.kvgate_cpus):
+                        nginx, url = start_nginx(
+                            fleet, args.nginx, ports[0], NGINX_CONF, heavy_port=ports[1], heavy_url=stubs[1],
+                            pin=PIN_HEADER.replace("-", "_"), body_limit=2 * BODY_LIMIT,
+                        )  # fmt: skip
+                    wait_ready(nginx, url + "/v1/models")
+                    results[mode] = bench(fleet, Under(mode, url, url, BASE), stubs, args)
+                    nginx.stop()
                     continue
                 data = f"kvgate-{mode}"
                 fleet.callback(stop_leftover_redis, workdir, data)  # runs after kvgate has stopped

@@ -290,13 +290,19 @@ def start_vllm_router(fleet: Fleet, binary: Path, upstream_url: str) -> tuple[Ch
     return child, f"http://127.0.0.1:{port}"
 
 
-def start_nginx(fleet: Fleet, binary: str, upstream_port: int) -> tuple[Child, str]:
+def start_nginx(
+    fleet: Fleet, binary: str, upstream_port: int, conf_template: str = NGINX_CONF, **fields: object
+) -> tuple[Child, str]:
+    """nginx in front of the stub at ``upstream_port``, with ``conf_template`` (its ``user``, ``prefix``,
+    ``port`` and ``upstream_port`` filled in, and ``fields``)."""
     prefix = fleet.workdir / "nginx"
     prefix.mkdir()
     port = free_port()
     user = "user root root;\n" if os.geteuid() == 0 else ""  # workers must reach the temp prefix
     conf = prefix / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, upstream_port=upstream_port, port=port))
+    conf.write_text(
+        conf_template.format(user=user, prefix=prefix, upstream_port=upstream_port, port=port, **fields)
+    )
     argv = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
     child = fleet.start("nginx", argv)
     return child, f"http://127.0.0.1:{port}"
