@@ -190,6 +190,7 @@ class EdgeConnection(RequestHandler):
         self.body: StreamReader | None = None  # the body being received, under the body deadline
         self.discarding = False  # timed out: input is dropped until the connection closes (LINGER)
         self.handed = False  # its request's body was handed over (``hand_over``): it closes after the answer
+        self.watching = False  # that body was read whole: input is dropped, a close is seen (``_watch``)
 
     def handle_error(
         self,
@@ -228,7 +229,7 @@ class EdgeConnection(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._force_close or self._close or self.discarding:
+        if self._force_close or self._close or self.discarding or self.watching:
             return
         if data and self.deadline is None and self._between_requests():
             self._arm(self.limits.header_timeout, self._headers_late)  # a new request's first byte
@@ -265,12 +266,21 @@ class EdgeConnection(RequestHandler):
         got = b"".join(arrived)
         if body.is_eof():  # it was all in: nothing to take
             self._resume_reading_for_buffer()
-            return Handover(got, None, length, seconds, self.limits.body_timeout, _nothing)
+            return Handover(got, None, length, seconds, self.limits.body_timeout, _nothing, _nothing)
         self._disarm()
         body.feed_eof()  # aiohttp reads no more of it (nor lingers on it after the answer)
         self.handed = True
         fd = os.dup(sock.fileno())
-        return Handover(got, fd, length, seconds, self.limits.body_timeout, self._abandon)
+        return Handover(got, fd, length, seconds, self.limits.body_timeout, self._abandon, self._watch)
+
+    def _watch(self) -> None:
+        """A handed-over body read whole: reading resumes, so that a client that leaves is seen (its
+        handler is cancelled, as any request's); what else it sends is dropped (it closes after its
+        answer)."""
+        if self.transport is None:
+            return
+        self.watching = True
+        self._resume_reading_for_buffer()
 
     def _abandon(self) -> None:
         """A handed-over body not read whole (late, or failed): the rest is dropped, then it closes."""

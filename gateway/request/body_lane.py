@@ -72,8 +72,9 @@ class BodyLost(KvgateError):
 class Handover:
     """A request body taken from the serving process's HTTP server as it arrives: what arrived of it,
     a duplicate of the client's socket (``fd``, None: it had all arrived, nothing is taken), its
-    ``Content-Length``, the seconds left of its deadline, and ``abandon``: called when the body is not
-    read whole after all (the connection drops the rest and closes, after the answer is read)."""
+    ``Content-Length``, the seconds left of its deadline; ``abandon``: called when the body is not
+    read whole after all (the connection drops the rest and closes, after the answer is read), ``taken``
+    once it was (the server watches the connection again: a client that leaves cancels its request)."""
 
     arrived: bytes
     fd: int | None
@@ -81,6 +82,7 @@ class Handover:
     seconds: float
     body_timeout: float
     abandon: Callable[[], None]
+    taken: Callable[[], None]
 
 
 @runtime_checkable

@@ -165,7 +165,7 @@ class Intake:
     ) -> tuple[Body, Tokens | None, Held]:
         assert handover.fd is not None
         try:
-            return await self.lane.take(
+            taken = await self.lane.take(
                 handover, route.path, model_optional=route.model_optional, owned=owned
             )
         except BadRequest as exc:  # a body read whole that is not a good request: the connection closes
@@ -177,6 +177,8 @@ class Intake:
             raise
         finally:
             os.close(handover.fd)
+        handover.taken()  # read whole: a client that leaves from now on cancels its request
+        return taken
 
     async def _form(
         self, request: web.Request, route: Route, caller: Caller | None, admin: AdminOptions

@@ -41,6 +41,7 @@ from tests.request.test_deadlines import closed, openai_error, read_response
 from tests.support.adapter_files import MakeAdapter
 from tests.support.conditions import eventually
 from tests.support.edge import ADMIN_TOKEN, kvgate
+from tests.support.stub_backend import StubState
 from tests.support.tiny_tokenizer import write_tiny_model
 
 SIZE = 4 * 1024 * 1024 - 1024
@@ -224,6 +225,41 @@ async def test_a_big_body_sent_after_100_continue_is_read_by_the_lane(
     assert sent == {**doc, "model": edge.versioned, "cache_salt": sent["cache_salt"]}
 
 
+async def test_a_client_that_leaves_after_its_big_body_cancels_its_request_upstream(
+    redis: Redis, tmp_path: Path, make_adapter: MakeAdapter
+) -> None:
+    """A big body read by the lane, its answer pending (the stub takes a minute): the client closes its
+    connection and kvgate cancels the request upstream, as for any request (the serving process stopped
+    reading that connection when it handed the body over, and watches it again once the lane has read it)."""
+    stub = StubState(reply_delay=60.0)
+    raw = orjson.dumps(big("completion", 1_000_000))
+    async with kvgate(redis, tmp_path, make_adapter, stub) as edge, aiohttp.ClientSession() as http:
+        taken = await metric(edge.url, LANE_READ)
+        parts = urlsplit(edge.url)
+        _, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            writer.write(head_of("/v1/completions", len(raw)) + raw[: len(raw) // 2])
+            await writer.drain()
+            async with http.get(edge.url + "/healthz") as r:  # the big request's handler has started
+                assert r.status == 200
+            writer.write(raw[len(raw) // 2 :])
+            await writer.drain()
+
+            async def upstream() -> bool:
+                return stub.completions == 1
+
+            await eventually(upstream, "the request reached the stub, which holds its answer")
+        finally:
+            writer.close()  # the client leaves, its answer pending
+
+        async def cancelled() -> bool:
+            return stub.cancelled == 1
+
+        await eventually(cancelled, "kvgate cancelled the request upstream")
+        assert await metric(edge.url, LANE_READ) == taken + 1
+    assert stub.finished == 0
+
+
 @pytest.mark.parametrize("shape", ["token ids", "completion"])
 async def test_a_big_body_from_the_lane_is_answered_as_any_other(
     redis: Redis, tmp_path: Path, make_adapter: MakeAdapter, shape: str
@@ -303,7 +339,7 @@ async def test_a_body_held_by_a_lane_that_died_is_lost_not_sent_by_the_next() ->
     client, server = socket.socketpair()
     try:
         client.sendall(raw)
-        handover = Handover(b"", os.dup(server.fileno()), len(raw), 30.0, 30.0, lambda: None)
+        handover = Handover(b"", os.dup(server.fileno()), len(raw), 30.0, 30.0, lambda: None, lambda: None)
         body, _, held = await lane.take(handover, COMPLETIONS, model_optional=False, owned=frozenset())
         os.close(handover.fd or -1)
         assert body.model == "tenant-42"
