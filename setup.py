@@ -1,7 +1,8 @@
 """The one compiled part of kvgate: ``gateway.kv._native`` (gateway/kv/native/index.c), the KV indexer's
-per-block work, with BLAKE3's portable C implementation (gateway/kv/native/blake3, CC0 / Apache-2.0).
-Everything else is in pyproject.toml. BLAKE3's SIMD variants are left out: a block's key hashes 144 bytes,
-one chunk, which the portable code hashes as fast (SIMD helps many chunks at once)."""
+per-block work and the chained keys of a request's token blocks (``chain``), with BLAKE3's portable C
+implementation (gateway/kv/native/blake3, CC0 / Apache-2.0). Everything else is in pyproject.toml.
+BLAKE3's SIMD variants are left out: a block's key hashes 144 bytes, one chunk, which the portable code
+hashes as fast (SIMD helps many chunks at once)."""
 
 from setuptools import Extension, setup
 

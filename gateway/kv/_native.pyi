@@ -1,5 +1,6 @@
 """Types of ``gateway.kv._native`` (gateway/kv/native/index.c): the KV indexer's per-block work in C."""
 
+from collections.abc import Sequence
 from mmap import mmap
 
 class Table:
@@ -49,3 +50,6 @@ class View:
     def apply(self, events: Events) -> tuple[int, int, int, int]: ...
 
 def parse(payload: bytes) -> Events | None: ...
+def chain(first: bytes, data: bytes, ends: Sequence[int]) -> list[bytes]:
+    """Keys of ``data``'s blocks (block i ends at ``ends[i]``), chained from ``first``: key i is the
+    first ``len(first)`` bytes of blake3(key i-1 + block i)."""

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from blake3 import blake3
 
-from gateway.kv._native import Table, View
+from gateway.kv._native import Table, View, chain
 from gateway.kv.events import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event
 
 KEY_BYTES = 16
@@ -51,15 +51,10 @@ def block_keys(
 ) -> list[bytes]:
     """Chained keys of every full block of ``tokens``: key[i] depends on the namespace and blocks 0..i
     (or on ``parent``, the key of the block before the first, for a chain that continues one)."""
-    keys: list[bytes] = []
-    previous = seed(namespace) if parent is None else parent
     count = min(len(tokens) // block_size, MAX_BLOCKS)
-    data = array("q", tokens[: count * block_size]).tobytes()  # once: each block is a slice of it
+    data = array("q", tokens[: count * block_size]).tobytes()  # each block's ids as int64 LE
     step = 8 * block_size
-    for i in range(count):
-        previous = blake3(previous + data[i * step : (i + 1) * step]).digest(KEY_BYTES)
-        keys.append(previous)
-    return keys
+    return chain(seed(namespace) if parent is None else parent, data, range(step, count * step + 1, step))
 
 
 def table_key(key: bytes) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from blake3 import blake3
 
 from gateway.kv import _native
 from gateway.kv.events import STORED_FIELDS, decode_message
@@ -290,3 +291,26 @@ def test_a_view_keeps_what_a_model_of_it_keeps_and_holds_each_key_in_the_table_o
     finally:
         reader_region.close()
         side.close()
+
+
+def test_chain_keys_each_block_with_the_key_before_it() -> None:
+    """``chain`` (what ``index.block_keys`` keys a request's tokens with) against its definition: key i
+    is the first ``len(first)`` bytes of blake3(key i-1 + block i), blocks of any length; ends that fall
+    or pass the data are refused."""
+    rng = random.Random(7)
+    data = rng.randbytes(5000)
+    first = rng.randbytes(16)
+    ends = sorted(rng.sample(range(5001), 40))
+    expected, previous, at = [], first, 0
+    for end in ends:
+        previous = blake3(previous + data[at:end]).digest(len(first))
+        expected.append(previous)
+        at = end
+    assert _native.chain(first, data, ends) == expected
+    assert _native.chain(first, data, []) == []
+    assert _native.chain(b"k", data, [3]) == [blake3(b"k" + data[:3]).digest(1)]
+    for bad in ([10, 5], [5001], [-1]):
+        with pytest.raises(ValueError, match="chain"):
+            _native.chain(first, data, bad)
+    with pytest.raises(ValueError, match="1 to 64 bytes"):
+        _native.chain(b"", data, [1])

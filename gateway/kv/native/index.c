@@ -1215,9 +1215,56 @@ static PyTypeObject ViewType = {
 
 /* ------------------------------------------------------------------ the module */
 
+/* chain(first, data, ends): the chained keys of data's blocks (block i ends at ends[i]): key[i] =
+ * blake3(key[i-1] || block i), key[-1] = first, each as long as first (index.block_keys). */
+static PyObject *chain(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer first, data;
+    PyObject *ends_arg, *ends = NULL, *keys = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*O:chain", &first, &data, &ends_arg)) return NULL;
+    uint8_t previous[64];
+    size_t key_len = (size_t)first.len;
+    if (first.len < 1 || first.len > (Py_ssize_t)sizeof(previous)) {
+        PyErr_SetString(PyExc_ValueError, "chain(): the first key is 1 to 64 bytes");
+        goto done;
+    }
+    memcpy(previous, first.buf, key_len);
+    ends = PySequence_Fast(ends_arg, "chain(): ends is a sequence of offsets");
+    if (!ends) goto done;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(ends), at = 0;
+    keys = PyList_New(count);
+    if (!keys) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t end = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ends, i));
+        if (end == -1 && PyErr_Occurred()) goto fail;
+        if (end < at || end > data.len) {
+            PyErr_SetString(PyExc_ValueError, "chain(): ends rise within the data");
+            goto fail;
+        }
+        blake3_hasher h;
+        blake3_hasher_init(&h);
+        blake3_hasher_update(&h, previous, key_len);
+        blake3_hasher_update(&h, (const uint8_t *)data.buf + at, (size_t)(end - at));
+        blake3_hasher_finalize(&h, previous, key_len);
+        PyObject *key = PyBytes_FromStringAndSize((const char *)previous, (Py_ssize_t)key_len);
+        if (!key) goto fail;
+        PyList_SET_ITEM(keys, i, key);
+        at = end;
+    }
+    goto done;
+fail:
+    Py_CLEAR(keys);
+done:
+    Py_XDECREF(ends);
+    PyBuffer_Release(&first);
+    PyBuffer_Release(&data);
+    return keys;
+}
+
 static PyMethodDef module_methods[] = {
     {"parse", (PyCFunction)parse, METH_O,
      "parse(payload: bytes) -> Events | None: a batch read in C, or None where kv/events.py decides"},
+    {"chain", (PyCFunction)chain, METH_VARARGS,
+     "chain(first: bytes, data: bytes, ends: Sequence[int]) -> list[bytes]: chained block keys"},
     {NULL},
 };
 
