@@ -95,7 +95,7 @@ async def test_serve_with_the_embedded_redis_ready_draining_not_alive(
     built: dict[str, str], volumes: dict[str, Path], make_adapter: MakeAdapter
 ) -> None:
     with pod("kvgate-image") as p:
-        start_stub(p, built["stub"], volumes, delay=1.5)
+        start_stub(p, built["stub"], volumes, delay=3.0)
         kvgate = p.run("kvgate", built["kvgate"], "serve", options=kvgate_options(volumes, make_adapter()))
         try:
             await until_healthy(f"http://{p.ip}:8080")
@@ -116,9 +116,12 @@ async def test_serve_with_the_embedded_redis_ready_draining_not_alive(
         assert health(kvgate) == 0
 
         client = openai.AsyncOpenAI(base_url=f"http://{p.ip}:8080/v1", api_key="unused", max_retries=0)
+        # a request in flight: the stub waits 3 s before each of its 4 chunks, so the stream outlasts the
+        # checks below (podman execs, seconds each on a loaded machine: at 1.5 s a fresh-clone run saw the
+        # drain end, and kvgate exit, before its liveness check)
         stream = await client.completions.create(model="tenant-1", prompt="slow", max_tokens=4, stream=True)
         chunks = stream.__aiter__()
-        first = await chunks.__anext__()  # a request in flight (the stub waits 1.5 s before each chunk)
+        first = await chunks.__anext__()
         podman("kill", "--signal=TERM", kvgate)
 
         async def draining() -> bool:

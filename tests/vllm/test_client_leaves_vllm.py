@@ -44,8 +44,9 @@ RAN_TO_ITS_END = ('finished_reason="stop"', 'finished_reason="length"')
 def slowed(replicas: list[VllmProcess]) -> Iterator[Callable[[], None]]:
     """Every replica's engine slowed (``EngineThrottle``) while a client comes and goes; the block
     gets a function that holds every engine still: the test holds them as it sees the request on a replica,
-    so the client leaves a generation that cannot end meanwhile (the abort reaches vLLM's engine as it runs
-    again, when the block is left)."""
+    so the client leaves a generation that cannot end meanwhile. The abort reaches vLLM's engine as it runs
+    again, when the block is left: the test leaves it once vLLM's front end has sent it (``aborted``), or
+    the engine, at full speed again, could end the generation first (seen: ``completed`` 1, 1 run in 4)."""
     with ExitStack() as throttles:
         slowed = [throttles.enter_context(EngineThrottle(replica.pid)) for replica in replicas]
 
@@ -54,6 +55,20 @@ def slowed(replicas: list[VllmProcess]) -> Iterator[Callable[[], None]]:
                 throttle.hold()
 
         yield hold
+
+
+def aborts(replicas: list[VllmProcess]) -> int:
+    """How many aborts vLLM's front ends have sent their engines (``Aborted request(s)`` log lines)."""
+    return sum(replica.spec.log_path.read_bytes().count(b"Aborted request") for replica in replicas)
+
+
+async def aborted(replicas: list[VllmProcess], before: int) -> None:
+    """Until a replica's front end has sent its engine one more abort than ``before``."""
+
+    async def sent() -> bool:
+        return aborts(replicas) > before
+
+    await eventually(sent, "vLLM's front end sent the abort to its engine", within=30.0)
 
 
 async def vllm_counts(http: aiohttp.ClientSession, replicas: list[VllmProcess]) -> Counter[str]:
@@ -138,7 +153,9 @@ async def test_a_client_that_closes_a_stream_stops_one_generation_and_nothing_el
             assert response.status == 200
             await response.content.readuntil(b"\n\n")
             hold()
+            sent = aborts(vllm_replicas)
             response.close()  # the client leaves mid-stream
+            await aborted(vllm_replicas, sent)
     since = await after_it_stopped(http, vllm_replicas, before, prompt)
     assert since["prompt_tokens"] == prompt  # one request reached a replica: none was sent again
     assert since["completed"] == 0  # it did not run to its end...
@@ -158,14 +175,20 @@ async def test_a_client_that_leaves_a_pending_request_stops_its_generation(
             async def generating() -> bool:
                 seen = await vllm_counts(http, vllm_replicas)
                 if pending.done():  # the premise missed: say how, rather than wait out the bound
-                    pytest.fail(f"the request ended before it was seen on a replica: {pending!r}, {seen}")
+                    answer = pending.result()
+                    pytest.fail(
+                        f"the request ended before it was seen on a replica: {answer.status} "
+                        f"{(await answer.text())[:300]!r}, {seen}"
+                    )
                 return seen["running"] + seen["waiting"] > 0
 
             await eventually(generating, "the request is on a replica (running or waiting)", within=30.0)
             hold()
+            sent = aborts(vllm_replicas)
             pending.cancel()  # the client gives up and closes its connection, the answer still pending
             with pytest.raises(asyncio.CancelledError):
                 await pending
+            await aborted(vllm_replicas, sent)
     since = await after_it_stopped(http, vllm_replicas, before, prompt)
     assert since["prompt_tokens"] == prompt
     assert since["generated"] < 1000, since  # it was stopped...
