@@ -17,10 +17,15 @@ for the cores as they come). The small requests' stub is not niced: it stands fo
 replica, whose CPU the heavy load elsewhere does not take (niced with the load, as it was until
 2026-12-04, it waited for a core behind the heavy clients, and so did every mode: the stubs alone
 measured 2.3-2.8x idle, the machine's doing, not kvgate's).
-With two CPUs or more (``--pin``, the default), kvgate and its body lane run on the first CPU and every
-other process (this prober, the stubs, the heavy clients) on the others: the kernel here preempts no
-copy in progress, so nice alone let the heavy load's own kernel work (its clients' 4 MB writes) hold the
-small requests wherever they ran, kvgate or not.
+With two CPUs or more (``--placement``, ``Placement``), processes are pinned: by default (``proxy``) kvgate
+and its body lane (or nginx) run on the first CPU and every other process (this prober, the stubs, the
+heavy clients) on the others: the kernel here preempts no copy in progress, so nice alone let the heavy
+load's own kernel work (its clients' 4 MB writes) hold the small requests wherever they ran, kvgate or
+not. With ``traffic`` the small requests' side (this prober, their stub, kvgate's serving process or
+nginx) runs on the first CPU and the heavy side (the heavy clients, their stub, kvgate's body lane) on the
+others: a wake-up that crosses to a CPU busy with the heavy load's kernel work waits for that CPU's next
+tick, up to 4 ms here (``loadtest/sched_delays.py``; docs/edge-parsing.md), which the small requests'
+own path then never does.
 
 Each round, for each body shape, the same prober sends small completions one after another through kvgate
 (for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
@@ -228,12 +233,62 @@ class Cell:
 
 @dataclass
 class Under:
-    """What one mode measures: where small requests and heavy bodies go, and the model they name."""
+    """What one mode measures: where small requests and heavy bodies go, the model they name, and the
+    kvgate process (if any: its body lane runs with the heavy side)."""
 
     name: str
     small_url: str
     heavy_url: str
     model: str
+    kvgate: int | None = None
+
+
+PLACEMENTS = ("proxy", "traffic", "none")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The CPUs each side runs on (empty: wherever the kernel puts it). ``proxy``: kvgate (its body lane
+    too) or nginx alone on the first CPU, every other process on the others. ``traffic``: the small
+    requests' side (the prober, their stub, kvgate's serving process, nginx) on the first CPU, the heavy
+    side (the heavy clients, their stub, kvgate's body lane) on the others."""
+
+    name: str
+    proxy: frozenset[int]
+    small: frozenset[int]
+    heavy: frozenset[int]
+
+    @classmethod
+    def of(cls, name: str) -> Placement:
+        cpus = frozenset(os.sched_getaffinity(0))
+        first = frozenset({min(cpus)})
+        if name == "proxy":
+            return cls(name, first, cpus - first, cpus - first)
+        if name == "traffic":
+            return cls(name, first, first, cpus - first)
+        return cls(name, frozenset(), frozenset(), frozenset())
+
+    def describe(self) -> str:
+        def at(cpus: frozenset[int]) -> str:
+            return "CPU " + ",".join(str(cpu) for cpu in sorted(cpus))
+
+        if self.name == "proxy":
+            return f"kvgate (its body lane too) or nginx on {at(self.proxy)}, the rest on {at(self.heavy)}"
+        if self.name == "traffic":
+            return (
+                f"the small requests' side (the prober, their stub, kvgate's serving process, nginx) on "
+                f"{at(self.small)}, the heavy side (the heavy clients, their stub, kvgate's body lane) on "
+                f"{at(self.heavy)}"
+            )
+        return "no process pinned to a CPU"
+
+    def lane_apart(self, kvgate: int | None) -> None:
+        """kvgate's body lane (started by its first large body) moved to the heavy side's CPUs."""
+        if kvgate is None or not self.heavy or self.heavy == self.proxy:
+            return
+        for child in Path(f"/proc/{kvgate}/task/{kvgate}/children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                os.sched_setaffinity(int(child), self.heavy)
 
 
 def loaded_phase(
@@ -243,12 +298,14 @@ def loaded_phase(
     argv = [*niced(args), sys.executable, "-m", "loadtest.heavy_bodies", "--send", under.heavy_url,
             "--shape", shape, "--replica", stubs[1], "--model", under.model,
             "--clients", str(args.clients)]  # fmt: skip
-    sender = fleet.start(name, argv)
+    with pinned_to(args.place.heavy):
+        sender = fleet.start(name, argv)
     deadline = time.monotonic() + 120
     while "first" not in sender.tail() and time.monotonic() < deadline:  # their bodies are arriving
         if sender.process.poll() is not None:
             raise RuntimeError(f"the heavy clients exited:\n{sender.tail()}")
         time.sleep(0.05)
+    args.place.lane_apart(under.kvgate)
     phase = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
     sender.stop(grace=120)
     heavy = Heavy(**json.loads(sender.tail().strip().splitlines()[-1]))
@@ -303,13 +360,6 @@ def report(results: dict[str, dict[str, Cell]], args: argparse.Namespace) -> str
     return "\n".join(rows)
 
 
-def pinning(args: argparse.Namespace) -> str:
-    if not args.kvgate_cpus:
-        return "no process pinned to a CPU"
-    cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
-    return f"kvgate on CPU {min(args.kvgate_cpus)}, every other process on CPU {cpus}"
-
-
 def niced(args: argparse.Namespace) -> list[str]:
     """The heavy clients and their stub stand for other machines: niced, so that on this small machine
     what the prober sees is kvgate's doing rather than the scheduler sharing its cores among them."""
@@ -317,7 +367,7 @@ def niced(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def pinned_to(cpus: set[int]) -> Iterator[None]:
+def pinned_to(cpus: frozenset[int]) -> Iterator[None]:
     """Processes started inside run on ``cpus`` (none: where this one does)."""
     before = os.sched_getaffinity(0)
     if cpus:
@@ -343,11 +393,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--others-nice", type=int, default=19, help="the heavy clients' and their stub's niceness"
     )
     parser.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=len(os.sched_getaffinity(0)) > 1,
-        help="kvgate (and its body lane) on the first CPU, everything else on the others (default: on, "
-        "with 2 CPUs or more)",
+        "--placement",
+        choices=PLACEMENTS,
+        default="proxy" if len(os.sched_getaffinity(0)) > 1 else "none",
+        help="which CPUs each process runs on (Placement; default: proxy, with 2 CPUs or more)",
     )
     parser.add_argument("--nginx", default=shutil.which("nginx"), help="the nginx binary of the peer")
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
@@ -356,7 +405,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--replica", help=argparse.SUPPRESS)  # the stub the heavy bodies are pinned to
     parser.add_argument("--model", default=LOGICAL_ID, help=argparse.SUPPRESS)  # what they name
     args = parser.parse_args(argv)
-    args.kvgate_cpus = {min(os.sched_getaffinity(0))} if args.pin and not args.send else set()
+    args.place = Placement.of("none" if args.send else args.placement)
     if min(args.rounds, args.clients) < 2 or args.seconds < 1:
         parser.error("--rounds and --clients must be 2 or more, --seconds 1 or more")
     return args
@@ -377,8 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "precise" in args.modes and not (args.tokenizer / "tokenizer.json").is_file():
         raise SystemExit(f"{args.tokenizer} holds no tokenizer.json (make setup builds the fixture)")
     generated_docs.started_tree()  # the tree measured, taken before the run
-    if args.kvgate_cpus:  # everything but kvgate (the prober, the stubs, the heavy clients) on the others
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - args.kvgate_cpus)
+    if args.place.small:  # the prober
+        os.sched_setaffinity(0, args.place.small)
     py = sys.executable
     results: dict[str, dict[str, Cell]] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
@@ -389,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 port = free_port()
                 nice = niced(args) if number == 1 else []  # stub 0 answers the small requests
                 stub_argv = [*nice, py, "-m", "loadtest.stub_server", "--port", str(port)]
-                stub = fleet.start(f"stub-{number}", stub_argv)
+                with pinned_to(args.place.heavy if number == 1 else args.place.small):
+                    stub = fleet.start(f"stub-{number}", stub_argv)
                 stubs.append(f"http://127.0.0.1:{port}")
                 wait_ready(stub, stubs[-1] + "/v1/models")
             for mode in args.modes:
@@ -398,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 if mode == "nginx":  # a peer where kvgate runs
                     ports = [int(url.rsplit(":", 1)[1]) for url in stubs]
-                    with pinned_to(args.kvgate_cpus):
+                    with pinned_to(args.place.proxy):
                         nginx, url = start_nginx(
                             fleet, args.nginx, ports[0], NGINX_CONF, heavy_port=ports[1], heavy_url=stubs[1],
                             pin=PIN_HEADER.replace("-", "_"), body_limit=2 * BODY_LIMIT,
@@ -419,11 +469,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--workers", "1", "--admin-token", ADMIN_TOKEN, *flags]  # fmt: skip
                 for stub_url in stubs:
                     argv += ["--replica", stub_url]
-                with pinned_to(args.kvgate_cpus):  # kvgate and its body lane: a machine of their own
+                with pinned_to(args.place.proxy):
                     kvgate = fleet.start(f"kvgate-{mode}", argv)
                 url = f"http://127.0.0.1:{port}"
                 wait_ready(kvgate, url + "/healthz")
-                results[mode] = bench(fleet, Under(mode, url, url, LOGICAL_ID), stubs, args)
+                under = Under(mode, url, url, LOGICAL_ID, kvgate.process.pid)
+                results[mode] = bench(fleet, under, stubs, args)
                 kvgate.stop()
     text = report(results, args)
     print(text)
@@ -433,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.clients} heavy clients back to back; small completions one after another for "
             f"{args.seconds:g} s a phase (idle, then loaded, per shape and round), {args.rounds} rounds; "
             f"the heavy clients and their stub at nice {args.others_nice}, the small requests' stub at 0; "
-            f"{pinning(args)}; "
+            f"{args.place.describe()}; "
             f"body bytes: {sizes}. Each figure is the "
             f"median over rounds; the ratio is each round's loaded p99 over its idle p99.\n\n{text}"
         ))  # fmt: skip
