@@ -134,7 +134,8 @@ loadtest-stacks: $(VENV)/.done
 # Heavy bodies beside small requests (loadtest/heavy_bodies.py): 8 clients sending 4 MB bodies of each shape
 # (a completion prompt, chat with many messages, token ids) through kvgate in front of two stubs, predicted and
 # precise routing, beside the stubs alone and nginx in kvgate's place (a peer; installs nginx-light when
-# missing); small requests' p50/p99 idle and loaded side by side: docs/edge-parsing.md's block. ~15 minutes.
+# missing), the small requests' side on one CPU and the heavy side (kvgate's body lane with it) on the
+# others; small requests' p50/p99 idle and loaded side by side: docs/edge-parsing.md's block. ~15 minutes.
 .PHONY: loadtest-heavy
 loadtest-heavy: $(VENV)/.done $(FIXTURE_DIR)/.done
 	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)

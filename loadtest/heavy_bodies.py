@@ -17,15 +17,14 @@ for the cores as they come). The small requests' stub is not niced: it stands fo
 replica, whose CPU the heavy load elsewhere does not take (niced with the load, as it was until
 2026-12-04, it waited for a core behind the heavy clients, and so did every mode: the stubs alone
 measured 2.3-2.8x idle, the machine's doing, not kvgate's).
-With two CPUs or more (``--placement``, ``Placement``), processes are pinned: by default (``proxy``) kvgate
-and its body lane (or nginx) run on the first CPU and every other process (this prober, the stubs, the
-heavy clients) on the others: the kernel here preempts no copy in progress, so nice alone let the heavy
-load's own kernel work (its clients' 4 MB writes) hold the small requests wherever they ran, kvgate or
-not. With ``traffic`` the small requests' side (this prober, their stub, kvgate's serving process or
-nginx) runs on the first CPU and the heavy side (the heavy clients, their stub, kvgate's body lane) on the
-others: a wake-up that crosses to a CPU busy with the heavy load's kernel work waits for that CPU's next
-tick, up to 4 ms here (``loadtest/sched_delays.py``; docs/edge-parsing.md), which the small requests'
-own path then never does.
+With two CPUs or more (``--placement``, ``Placement``), processes are pinned. By default (``traffic``) the
+small requests' side (this prober, their stub, kvgate's serving process or nginx) runs on the first CPU
+and the heavy side (the heavy clients, their stub, kvgate's body lane) on the others: the heavy load's
+processes stand for other machines, and a wake-up that crosses to a CPU busy with their kernel work waits
+for that CPU's next tick, up to 4 ms here (``loadtest/sched_delays.py``; docs/edge-parsing.md), which the
+small requests' own path then never does (nice does not help: this kernel preempts no copy in progress).
+With ``proxy`` kvgate and its body lane (or nginx) run alone on the first CPU and every other process on
+the others: every hop of a small request then crosses CPUs.
 
 Each round, for each body shape, the same prober sends small completions one after another through kvgate
 (for ``--seconds``) twice, side by side: on kvgate alone (idle), then while ``--clients`` clients in a
@@ -243,7 +242,7 @@ class Under:
     kvgate: int | None = None
 
 
-PLACEMENTS = ("proxy", "traffic", "none")
+PLACEMENTS = ("traffic", "proxy", "none")
 
 
 @dataclass(frozen=True)
@@ -395,8 +394,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
-        default="proxy" if len(os.sched_getaffinity(0)) > 1 else "none",
-        help="which CPUs each process runs on (Placement; default: proxy, with 2 CPUs or more)",
+        default="traffic" if len(os.sched_getaffinity(0)) > 1 else "none",
+        help="which CPUs each process runs on (Placement; default: traffic, with 2 CPUs or more)",
     )
     parser.add_argument("--nginx", default=shutil.which("nginx"), help="the nginx binary of the peer")
     parser.add_argument("--out", type=Path, help="write the figures into this doc's generated block")
