@@ -79,20 +79,7 @@ BASE = "base"  # the stubs' served model: what a request sent to a stub directly
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from")
 PACE = 0.01  # seconds between one small request's answer and the next request
 ADMIN_TOKEN = "heavy-bodies-admin"
-NGINX_CONF = """\
-daemon off;
-master_process on;
-worker_processes 1;
-{user}pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
+NGINX_HTTP = """\
     client_max_body_size {body_limit};
     client_body_buffer_size {body_limit};
     upstream small {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
@@ -108,7 +95,6 @@ http {{
             proxy_read_timeout 600s;
         }}
     }}
-}}
 """
 """A peer in kvgate's place: nginx reads each body whole into memory before it forwards it (as kvgate
 does, which must read a body's start to route it), and sends a pinned request where the pin names."""
@@ -449,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ports = [int(url.rsplit(":", 1)[1]) for url in stubs]
                     with pinned_to(args.place.proxy):
                         nginx, url = start_nginx(
-                            fleet, args.nginx, ports[0], NGINX_CONF, heavy_port=ports[1], heavy_url=stubs[1],
+                            fleet, args.nginx, ports[0], NGINX_HTTP, heavy_port=ports[1], heavy_url=stubs[1],
                             pin=PIN_HEADER.replace("-", "_"), body_limit=2 * BODY_LIMIT,
                         )  # fmt: skip
                     wait_ready(nginx, url + "/v1/models")

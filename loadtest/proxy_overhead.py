@@ -253,6 +253,10 @@ http {{
     fastcgi_temp_path {prefix}/fastcgi;
     uwsgi_temp_path {prefix}/uwsgi;
     scgi_temp_path {prefix}/scgi;
+{http}}}
+"""
+"""One nginx worker; ``http``: its http block's own directives (``NGINX_STUB``'s, or a benchmark's)."""
+NGINX_STUB = """\
     upstream stub {{
         server 127.0.0.1:{upstream_port};
         keepalive 256;
@@ -267,7 +271,6 @@ http {{
             proxy_read_timeout 600s;
         }}
     }}
-}}
 """
 
 
@@ -291,18 +294,17 @@ def start_vllm_router(fleet: Fleet, binary: Path, upstream_url: str) -> tuple[Ch
 
 
 def start_nginx(
-    fleet: Fleet, binary: str, upstream_port: int, conf_template: str = NGINX_CONF, **fields: object
+    fleet: Fleet, binary: str, upstream_port: int, http: str = NGINX_STUB, **fields: object
 ) -> tuple[Child, str]:
-    """nginx in front of the stub at ``upstream_port``, with ``conf_template`` (its ``user``, ``prefix``,
-    ``port`` and ``upstream_port`` filled in, and ``fields``)."""
+    """nginx in front of the stub at ``upstream_port``: ``NGINX_CONF`` with ``http`` (its ``port`` and
+    ``upstream_port`` filled in, and ``fields``)."""
     prefix = fleet.workdir / "nginx"
     prefix.mkdir()
     port = free_port()
     user = "user root root;\n" if os.geteuid() == 0 else ""  # workers must reach the temp prefix
     conf = prefix / "nginx.conf"
-    conf.write_text(
-        conf_template.format(user=user, prefix=prefix, upstream_port=upstream_port, port=port, **fields)
-    )
+    own = http.format(upstream_port=upstream_port, port=port, **fields)
+    conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, http=own))
     argv = [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
     child = fleet.start("nginx", argv)
     return child, f"http://127.0.0.1:{port}"
