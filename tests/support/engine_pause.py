@@ -10,9 +10,8 @@ unload) waits.
 
 The signals come from a small process of their own (``_CYCLE``, at a higher priority), not from a thread
 of the test process, so the cycle does not wait for the test process (its GIL, its turn on a busy
-machine). Even so a run window stretches by the time the signals take (the pause after it stretches in
-proportion), so a test that must see a generation still running holds the engine (``hold``) as soon as it
-sees what it waits for.
+machine). Even so a run window stretches by the time the signals take, so a test that must see a
+generation still running holds the engine (``hold``) as soon as it sees what it waits for.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def send(sig):
             pass
 send(signal.SIGSTOP)
 print("cycling", flush=True)
-pause = period_s - run_s
 while True:
-    ready, _, _ = select.select([sys.stdin], [], [], pause)
+    ready, _, _ = select.select([sys.stdin], [], [], period_s - run_s)
     if ready:
         line = sys.stdin.readline()
         if line == "hold\\n":
@@ -77,23 +75,18 @@ while True:
             line = sys.stdin.readline()  # held until the test lets go
         send(signal.SIGCONT)
         break
-    started = time.monotonic()
     send(signal.SIGCONT)
     time.sleep(run_s)
     send(signal.SIGSTOP)
-    ran = time.monotonic() - started  # a window the machine stretched: the pause after it grows alike
-    pause = max(period_s - run_s, ran * (period_s - run_s) / run_s)
 """
 
 
 RUN_S, PERIOD_S = 0.001, 0.2
 """1 ms of every 200: 1,000 tokens, about half a second of the fixture model's engine time, take well over
-ten seconds. A run window the machine stretches (a loaded two-core machine here wakes a process up to a
-4 ms tick late, docs/edge-parsing.md) is followed by a pause stretched alike, so the engine never gets
-more than that share. At 5 ms of every 50 a 1,000-token answer ended in about 3 s, before a test saw it
-begin (polling two replicas' ``/metrics``), before the client's leaving reached vLLM, or before a kvgate
-that waited seconds for its Redis relayed the first chunk (fresh-clone runs); at 1 ms of every 200 with
-fixed pauses it still did, twice, in loaded fresh-clone runs (2026-12-04)."""
+ten seconds, even with each run stretched by the time the signals take. At 5 ms of every 50 a 1,000-token
+answer ended in about 3 s, before a test saw it begin (polling two replicas' ``/metrics``), before the
+client's leaving reached vLLM, or before a kvgate that waited seconds for its Redis relayed the first
+chunk (fresh-clone runs)."""
 
 
 class EngineThrottle:
