@@ -6,9 +6,8 @@ prefix keys and tokens decide something) and ``kvgate serve --workers 1`` (an ad
 the stubs alone (``direct``: small requests to one, heavy bodies to the other): what the machine itself
 does to the small requests when 8 clients move 4 MB bodies; then nginx where kvgate runs (a peer: one
 worker that reads each body whole into memory and forwards it to the stub the pin header names); then
-kvgate, twice, with precise routing off
-(the predicted index) and on (``--kv-events --tokenizer DIR``, the fixture model's tokenizer and chat
-template; the stubs publish no events, which changes nothing here).
+kvgate, twice, with precise routing off (the predicted index) and on (``--kv-events --tokenizer DIR``, the
+fixture model's tokenizer and chat template; the stubs publish no events, which changes nothing here).
 Small requests are pinned to one stub and the heavy bodies to the other (the admin pin header; every
 stage still runs): the stub parses each body on its own event loop, and a small request queued there
 behind a 4 MB parse would measure the stub. The heavy clients and the heavy bodies' stub stand for other
@@ -242,16 +241,17 @@ class Placement:
     proxy: frozenset[int]
     small: frozenset[int]
     heavy: frozenset[int]
+    lane: frozenset[int]  # kvgate's body lane: with kvgate (proxy) or with the heavy side (traffic)
 
     @classmethod
     def of(cls, name: str) -> Placement:
         cpus = frozenset(os.sched_getaffinity(0))
         first = frozenset({min(cpus)})
         if name == "proxy":
-            return cls(name, first, cpus - first, cpus - first)
+            return cls(name, first, cpus - first, cpus - first, first)
         if name == "traffic":
-            return cls(name, first, first, cpus - first)
-        return cls(name, frozenset(), frozenset(), frozenset())
+            return cls(name, first, first, cpus - first, cpus - first)
+        return cls(name, frozenset(), frozenset(), frozenset(), frozenset())
 
     def describe(self) -> str:
         def at(cpus: frozenset[int]) -> str:
@@ -267,13 +267,13 @@ class Placement:
             )
         return "no process pinned to a CPU"
 
-    def lane_apart(self, kvgate: int | None) -> None:
-        """kvgate's body lane (started by its first large body) moved to the heavy side's CPUs."""
-        if kvgate is None or not self.heavy or self.heavy == self.proxy:
+    def place_lane(self, kvgate: int | None) -> None:
+        """kvgate's body lane (started by its first large body, where kvgate runs) moved to ``lane``."""
+        if kvgate is None or self.lane == self.proxy:
             return
         for child in Path(f"/proc/{kvgate}/task/{kvgate}/children").read_text().split():
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                os.sched_setaffinity(int(child), self.heavy)
+                os.sched_setaffinity(int(child), self.lane)
 
 
 def loaded_phase(
@@ -290,7 +290,7 @@ def loaded_phase(
         if sender.process.poll() is not None:
             raise RuntimeError(f"the heavy clients exited:\n{sender.tail()}")
         time.sleep(0.05)
-    args.place.lane_apart(under.kvgate)
+    args.place.place_lane(under.kvgate)
     phase = asyncio.run(small_requests(under.small_url, args.seconds, stubs[0], under.model))
     sender.stop(grace=120)
     heavy = Heavy(**json.loads(sender.tail().strip().splitlines()[-1]))
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-heavy-") as tmp:
         workdir = Path(tmp)
         with Fleet(workdir) as fleet:
-            stubs = []
+            stubs, ports = [], []
             for number in range(2):
                 port = free_port()
                 nice = niced(args) if number == 1 else []  # stub 0 answers the small requests
@@ -426,13 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with pinned_to(args.place.heavy if number == 1 else args.place.small):
                     stub = fleet.start(f"stub-{number}", stub_argv)
                 stubs.append(f"http://127.0.0.1:{port}")
+                ports.append(port)
                 wait_ready(stub, stubs[-1] + "/v1/models")
             for mode in args.modes:
                 if mode == "direct":  # the stubs alone: what the machine does to the small requests
                     results[mode] = bench(fleet, Under(mode, stubs[0], stubs[1], BASE), stubs, args)
                     continue
                 if mode == "nginx":  # a peer where kvgate runs
-                    ports = [int(url.rsplit(":", 1)[1]) for url in stubs]
                     with pinned_to(args.place.proxy):
                         nginx, url = start_nginx(
                             fleet, args.nginx, ports[0], NGINX_HTTP, heavy_port=ports[1], heavy_url=stubs[1],

@@ -60,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     found = delays(timehist, set(args.pids))
     for pid in args.pids:
         run, waits = found.get(pid, (0.0, []))
-        waits = sorted(waits) or [0.0]
+        if not waits:
+            print(f"{pid}: no wake-up seen")
+            continue
+        waits.sort()
         p99 = waits[min(len(waits) - 1, int(len(waits) * 0.99))]
         print(
             f"{pid}: ran {run:.0f} ms, {len(waits)} wake-ups, delay p99 {p99:.3f} ms, "
