@@ -7,6 +7,7 @@ one request meets (a published version in a cache namespace, or the base model).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +115,7 @@ class Target:
     salt: str | None  # the cache namespace the gateway sets (None: the server's default)
     keys: list[bytes]  # prefix block keys, seeded by the cache namespace
     base_print: str = ""  # the base fingerprint a replica must match ('' : any replica of the base)
-    tokens: tuple[
-        int, ...
-    ] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)
+    tokens: Sequence[int] = ()  # the prompt's leading tokens, when kvgate tokenized it (precise prefix keys)
     role: str = ""  # while a rollout runs: which of its versions this is (core/split.py); '' otherwise
     rollout: str = ""  # while a rollout runs: its candidate's digest (the rollout's figures are keyed by it)
     whole: bool = False  # ``tokens`` are the whole prompt, tokenized by kvgate: the live check compares

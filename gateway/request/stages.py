@@ -19,6 +19,7 @@ against ~0.2 for five fields), a few µs a request on the path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.core.identity import base_name, is_logical_id
@@ -140,7 +141,7 @@ class Targeting:
             whole=isinstance(tokens, Whole),
         )  # fmt: skip
 
-    def tokens(self, parsed: ParsedRequest, base: str) -> tuple[int, ...]:
+    def tokens(self, parsed: ParsedRequest, base: str) -> Sequence[int]:
         """The prompt's tokens as a replica of ``base`` will see them, when kvgate tokenizes (``Keying``)
         and has that base's tokenizer; () otherwise, or when the request is not one it can reproduce
         exactly (``Unrendered``: counted by its reason, and the request is routed on the predicted index)."""

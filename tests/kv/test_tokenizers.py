@@ -20,6 +20,7 @@ from gateway.app.wiring import build_app
 from gateway.core.wire import replica_id
 from gateway.fleet.backends.answers import AdapterListing
 from gateway.fleet.replicas import Replica
+from gateway.kv.prompt_tokens import Unrendered
 from gateway.kv.tokenizers import SETTING, Tokenizers
 from gateway.process.http_edge import running
 from gateway.settings.model import Settings
@@ -49,17 +50,17 @@ def serving(name: str, root: Path | str | None, url: str = "http://r0:8000") -> 
     return replica
 
 
-def encoded(directory: Path) -> tuple[int, ...]:
+def encoded(directory: Path) -> list[int]:
     """``TEXT`` as the tokenizer in ``directory`` encodes it."""
-    return tuple(Tokenizer.from_file(str(directory / "tokenizer.json")).encode(TEXT).ids)
+    return Tokenizer.from_file(str(directory / "tokenizer.json")).encode(TEXT).ids
 
 
-def ids(tokenizers: Tokenizers, base: str) -> tuple[int, ...]:
+def ids(tokenizers: Tokenizers, base: str) -> list[int]:
     tokens = tokenizers.for_base(base)
     assert tokens is not None, f"no tokenizer for {base}"
     completion = tokens.completion({"prompt": TEXT})
-    assert isinstance(completion, tuple)
-    return completion
+    assert not isinstance(completion, Unrendered), completion
+    return list(completion)
 
 
 async def test_each_base_gets_its_own_tokenizer_from_its_dirs_entry_or_its_listed_root(

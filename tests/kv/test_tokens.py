@@ -5,6 +5,7 @@ vLLM's /tokenize in tests/vllm/test_precise_vllm.py and tests/vllm/test_render_v
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,11 @@ def test_completions_get_special_tokens_and_chat_is_rendered_without_adding_them
     assert not isinstance(completion, Unrendered)
     assert completion[0] == bos
     assert list(completion) == raw.encode("the lazy dog").ids
-    assert tokens.completion({"prompt": [5, 6, 7]}) == (5, 6, 7)  # token ids pass as they are
+    assert tokens.completion({"prompt": [5, 6, 7]}) == array("q", [5, 6, 7])  # token ids pass as they are
     assert tokens.completion({"prompt": ["the lazy dog"]}) == completion  # a batch of one
     chat = tokens.chat({"messages": [{"role": "user", "content": "the fox"}]})
     rendered = "<|bos|><|user|>\nthe fox\n<|assistant|>\n"
-    assert chat == tuple(raw.encode(rendered, add_special_tokens=False).ids)
+    assert chat == array("q", raw.encode(rendered, add_special_tokens=False).ids)
     assert not isinstance(chat, Unrendered)
     assert chat.count(bos) == 1  # the template's, not a second one from the post-processor
     assert PromptTokens.from_path(model_dir / "tokenizer.json").chat(
@@ -137,5 +138,5 @@ def test_only_a_whole_text_tokenized_here_is_whole(model_dir: Path) -> None:
     assert isinstance(tokens.chat({"messages": [{"role": "user", "content": "hi"}]}), Whole)
     assert not isinstance(tokens.completion({"prompt": "x " * MAX_CHARS}), Whole)
     ids = tokens.completion({"prompt": [5, 6, 7]})
-    assert ids == (5, 6, 7)
+    assert ids == array("q", [5, 6, 7])
     assert not isinstance(ids, Whole)

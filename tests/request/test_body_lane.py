@@ -13,6 +13,7 @@ import pickle
 import random
 import signal
 import socket
+from array import array
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -92,13 +93,14 @@ async def test_a_4mb_body_is_keyed_by_its_leading_blocks_only_as_a_short_body_wi
     finally:
         lane.close()
     assert body.raw is raw
-    assert len(pickle.dumps((body.doc, body.head, big_tokens))) < 4 * PREFIX_CHARS  # what crossed back
+    crossed = pickle.dumps((body.doc, body.head, big_tokens))  # what the lane handed back
+    assert len(crossed) < 4 * PREFIX_CHARS + 8 * MAX_TOKENS  # the tokens: int64s
     short = decode(orjson.dumps(short_doc))
     assert body.head == prompt_text(short.doc) == prompt_text(whole_doc)
     assert block_keys("seed", body.head) == block_keys("seed", prompt_text(short.doc))
     assert len(block_keys("seed", body.head)) == PREFIX_CHARS // BLOCK_CHARS
     short_tokens = of_route(tokens, route_of(shape), short.doc)
-    assert isinstance(big_tokens, tuple)
+    assert isinstance(big_tokens, array)
     assert big_tokens == short_tokens
     assert len(big_tokens) <= MAX_TOKENS
     owned = {"model": "tenant-42@0123456789abcdef", "cache_salt": "kvg-00"}
