@@ -139,7 +139,7 @@ loadtest-stacks: $(VENV)/.done
 .PHONY: loadtest-heavy
 loadtest-heavy: $(VENV)/.done $(FIXTURE_DIR)/.done
 	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
-	$(PY) -m loadtest.heavy_bodies --rounds 3 --tokenizer $(FIXTURE_DIR)/model --out docs/edge-parsing.md
+	$(PY) -m loadtest.heavy_bodies --rounds 5 --tokenizer $(FIXTURE_DIR)/model --out docs/edge-parsing.md
 
 # kvgate's real routing code (a simulation, a few minutes): predicted against precise (KV events) side by side
 # at 1, 2, 4 and 8 independent kvgate processes, each with its own predicted index, on shared prefixes and
