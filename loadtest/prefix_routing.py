@@ -53,7 +53,7 @@ from typing import Literal
 from blake3 import blake3
 
 from gateway.core.model import Target, VersionState
-from gateway.core.prefix import BLOCK_CHARS, block_keys, prompt_text
+from gateway.core.prefix import BLOCK_CHARS, TAG_BYTES, block_keys, content_keys, prompt_text
 from gateway.core.scheduler import Scheduler, eligible, least_loaded, within_bound
 from gateway.core.wire import cache_salt
 from gateway.dev import generated_docs
@@ -130,11 +130,11 @@ class Workload:
 
 
 def _token(key: bytes) -> int:
-    return int.from_bytes(key[:8], "big") >> 1  # an int64, as vLLM's token ids are
+    return int.from_bytes(key[TAG_BYTES : TAG_BYTES + 8], "big") >> 1  # an int64, as vLLM's token ids are
 
 
 def _block_hash(key: bytes) -> int:
-    return int.from_bytes(key[8:16], "big")  # vLLM's own hash of the block: anything but kvgate's key
+    return int.from_bytes(key[TAG_BYTES + 8 :], "big")  # vLLM's own hash of the block: not kvgate's key
 
 
 class ReplicaCache:
@@ -258,7 +258,7 @@ def build_workload(cfg: Config) -> Workload:
     order = list(range(cfg.tenants))
     rng.shuffle(order)  # popularity is independent of prompt length
     system_blocks = sum(
-        len(block_keys(salts[t], prompt_text({"messages": _system(systems[t])}))) for t in range(cfg.tenants)
+        len(content_keys(prompt_text({"messages": _system(systems[t])}))) for t in range(cfg.tenants)
     )
 
     rate = cfg.concurrency_per_replica * cfg.replicas / cfg.mean_service_s
@@ -278,7 +278,7 @@ def build_workload(cfg: Config) -> Workload:
                 rng, vocabulary, rng.randint(*cfg.question_blocks) * BLOCK_CHARS + rng.randrange(BLOCK_CHARS)
             )
             messages = [*messages, {"role": "user", "content": question}]
-            keys = block_keys(salts[tenant], prompt_text({"messages": messages}))
+            keys = block_keys(salts[tenant], content_keys(prompt_text({"messages": messages})))
             service = max(cfg.mean_service_s * rng.lognormvariate(mu, cfg.service_sigma), 2 * cfg.prefill_s)
             tokens = tuple(_token(key) for key in keys)
             requests.append(Request(now, service, tenant, conversation, turn, rng.random(), keys, tokens))

@@ -35,7 +35,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from gateway.core.errors import BadRequest
 from gateway.core.model import TOKEN_ID_END, is_token_id
-from gateway.core.prefix import PREFIX_CHARS, prompt_text
+from gateway.core.prefix import PREFIX_CHARS, content_keys, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS
 
 _STREAM: TypeAdapter[bool | None] = TypeAdapter(bool | None)  # vLLM: ``stream: bool | None = False``
@@ -54,6 +54,7 @@ class Body:
     splice: tuple[int, int, int] | None = None  # ``model``'s value in ``raw`` (at, length) and its end
     rest: bytes | None = None  # else: the body serialized without the members in ``skip``
     head: str | None = None  # a bounded ``doc``: the prompt's first ``PREFIX_CHARS`` (``prompt_text``)
+    head_keys: tuple[bytes, ...] | None = None  # and their ``content_keys``
 
 
 BOUNDED_MEMBER = 16 * 1024
@@ -101,22 +102,24 @@ def bounded(body: Body) -> Body:
     its bounded size. Its ``doc`` keeps every top-level member but a big one (serialized over
     ``BOUNDED_MEMBER`` bytes), ``prompt`` and ``messages``: a ``prompt`` string cut to ``PREFIX_CHARS``
     characters, a list of them (or of token ids) and ``messages`` to the items that show in ``head``,
-    the prompt's first ``PREFIX_CHARS`` characters as prefix keys see it (``prompt_text``).
+    the prompt's first ``PREFIX_CHARS`` characters as prefix keys see it (``prompt_text``), whose
+    ``content_keys`` it carries (``head_keys``: the costly part of the prefix keys, computed here).
     Everything the request path computes from it equals what it computes from the whole ``body``:
-    the prefix keys (``head``), the split key and the follow-up id (top-level scalars, the leading
-    messages), the forwarded bytes (``splice`` or ``rest``); the tokens of a large body are computed
+    the prefix keys (``head_keys``), the split key and the follow-up id (top-level scalars, the
+    leading messages), the forwarded bytes (``splice`` or ``rest``); the tokens of a large body are computed
     where it is parsed (``request.body_lane``)."""
     doc = body.doc
     head = prompt_text(doc, PREFIX_CHARS)
     small: dict[str, Any] = {}
     for key, value in doc.items():
         if key == "prompt" and isinstance(value, str):
-            small[key] = value[:PREFIX_CHARS]
+            cut = value[:PREFIX_CHARS]
+            small[key] = head if cut == head else cut  # the same text is sent once
         elif key in ("prompt", "messages") and isinstance(value, list):
             small[key] = _leading(value, len(head))
         elif not isinstance(value, dict | list | str) or len(orjson.dumps(value)) <= BOUNDED_MEMBER:
             small[key] = value
-    return replace(body, doc=small, raw=b"", head=head)
+    return replace(body, doc=small, raw=b"", head=head, head_keys=tuple(content_keys(head)))
 
 
 def _leading(items: list[Any], chars: int) -> list[Any]:

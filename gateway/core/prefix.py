@@ -1,9 +1,12 @@
 """Version-scoped prefix block keys, and which replica served which blocks.
 
-A prompt (for chat, the canonical JSON of its messages) is cut into fixed-size character blocks; block
-keys chain blake3 hashes seeded by the request's cache namespace, which already covers the table
-generation, base identity, adapter digest and epoch. So a key can only ever match requests of the same
-effective model and epoch: after an update or a bump, old entries never match again (they age out).
+A prompt (for chat, the canonical JSON of its messages) is cut into fixed-size character blocks; a
+block's key is a digest of the prompt up to that block's end (``content_keys``) led by a tag of the
+request's cache namespace (``block_keys``), which already covers the table generation, base identity,
+adapter digest and epoch. So a key can only ever match requests of the same effective model and epoch:
+after an update or a bump, old entries never match again (they age out). The digests, the costly part
+(0.4 ms for 256 blocks), are computed where a large body is parsed (``body.bounded``, off the serving
+loop); the tag is one hash per request.
 The index is a bounded LRU of block key -> replicas that computed it.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from blake3 import blake3
@@ -19,7 +22,8 @@ from blake3 import blake3
 BLOCK_CHARS = 256
 MAX_BLOCKS = 256  # bounds the hashing work per request (64 KiB of prompt)
 PREFIX_CHARS = BLOCK_CHARS * MAX_BLOCKS  # the most of a prompt any key covers
-KEY_BYTES = 16
+KEY_BYTES = 16  # a block's content digest
+TAG_BYTES = 8  # the cache namespace's tag leading each key
 _RUN = 256  # list items rendered by one json.dumps call when they are all scalars
 _SHORT = 1024  # strings up to this length join a run of scalars
 _SCALARS = (int, float, bool, type(None))
@@ -111,15 +115,22 @@ def _string(text: str, limit: int) -> str:
     return json.dumps(text[:limit] if len(text) > limit else text, ensure_ascii=False)
 
 
-def block_keys(seed: str, text: str) -> list[bytes]:
-    """Chained keys of every full block: key[i] depends on the seed and on blocks 0..i."""
+def content_keys(text: str) -> list[bytes]:
+    """A digest per full block of ``text`` (at most ``MAX_BLOCKS``): the i-th covers blocks 0 to i and
+    nothing else. One running hash, read after each block (BLAKE3 reads its state without ending it)."""
+    hasher = blake3()
     keys: list[bytes] = []
-    previous = blake3(seed.encode()).digest()[:KEY_BYTES]
     for i in range(min(len(text) // BLOCK_CHARS, MAX_BLOCKS)):
-        chunk = text[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS].encode()
-        previous = blake3(previous + chunk).digest()[:KEY_BYTES]
-        keys.append(previous)
+        hasher.update(text[i * BLOCK_CHARS : (i + 1) * BLOCK_CHARS].encode())
+        keys.append(hasher.digest(KEY_BYTES))
     return keys
+
+
+def block_keys(seed: str, content: Sequence[bytes]) -> list[bytes]:
+    """A prompt's keys in the cache namespace ``seed``: its ``content_keys``, each led by the namespace's
+    tag, so key[i] depends on the seed and on blocks 0..i (another namespace never matches)."""
+    tag = blake3(seed.encode()).digest(TAG_BYTES)
+    return [tag + key for key in content]
 
 
 class PrefixIndex:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +29,7 @@ from aiohttp import web
 from gateway.core.body import Body, decode, forwarded, stream_flag
 from gateway.core.errors import BadRequest, BodyTooLarge, RequestTimeout, ResponseNotFound
 from gateway.core.model import Target
-from gateway.core.prefix import PREFIX_CHARS, prompt_text
+from gateway.core.prefix import BLOCK_CHARS, PREFIX_CHARS, content_keys, prompt_text
 from gateway.core.wire import CLIENT_NAMESPACE_FIELDS, replica_id, response_id, response_owner, response_parts
 from gateway.fleet.backends import BackendDialect
 from gateway.fleet.replicas import Replica
@@ -85,6 +86,13 @@ class ParsedRequest:
             if head is not None and limit <= PREFIX_CHARS
             else prompt_text(self.decoded.doc, limit)
         )
+
+    def prompt_keys(self, limit: int = PREFIX_CHARS) -> Sequence[bytes]:
+        """The ``content_keys`` of ``prompt(limit)``."""
+        keys = self.decoded.head_keys if self.decoded is not None else None  # computed where it was parsed
+        if keys is not None and limit <= PREFIX_CHARS:
+            return keys[: limit // BLOCK_CHARS]
+        return content_keys(self.prompt(limit))
 
     @property
     def stored_response(self) -> str | None:

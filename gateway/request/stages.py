@@ -134,7 +134,7 @@ class Targeting:
                 named.model, version.base, version, salt, [], expected, (), chosen.role, chosen.rollout
             )
         salt = cache_salt(self.snapshot.generation, version)
-        keys = block_keys(salt, parsed.prompt(self.keying.prefix_chars))
+        keys = block_keys(salt, parsed.prompt_keys(self.keying.prefix_chars))
         tokens = self.tokens(parsed, version.base)
         return Target(
             named.model, version.base, version, salt, keys, expected, tokens, chosen.role, chosen.rollout,

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from gateway.core.prefix import BLOCK_CHARS, MAX_BLOCKS, block_keys, prompt_text
+from gateway.core.prefix import BLOCK_CHARS, MAX_BLOCKS, block_keys, content_keys, prompt_text
 from tests.support.adapter_files import MakeAdapter
 from tests.support.edge import assert_openai_error, kvgate
 from tests.support.serve_modes import serve_shape  # noqa: F401  (autouse: every test here runs in both shapes)
@@ -105,7 +105,7 @@ async def test_a_4mb_token_id_prompt_is_forwarded_intact_with_the_gateways_names
         k: v for k, v in body.items() if k not in {"model", "cache_salt"}
     }
     full = json.dumps(tokens, separators=(",", ":"))
-    assert prefix_key == block_keys(sent["cache_salt"], full)[0].hex()
+    assert prefix_key == block_keys(sent["cache_salt"], content_keys(full))[0].hex()
 
 
 def canonical(value: Any) -> str:
@@ -147,7 +147,7 @@ def test_prompt_text_is_the_bounded_prefix_of_the_whole_rendering(name: str) -> 
         return
     full = canonical(body.get("messages", body.get("prompt")))
     assert text == full[:PREFIX_CHARS]
-    assert block_keys("seed", text) == block_keys("seed", full)
+    assert block_keys("seed", content_keys(text)) == block_keys("seed", content_keys(full))
 
 
 def test_prompt_text_of_odd_bodies() -> None:

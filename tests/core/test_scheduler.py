@@ -9,7 +9,7 @@ import pytest
 
 from gateway.core.errors import NoEligibleReplica
 from gateway.core.model import Target, VersionState
-from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, prompt_text
+from gateway.core.prefix import BLOCK_CHARS, PrefixIndex, block_keys, content_keys, prompt_text
 from gateway.core.scheduler import Scheduler, eligible, evictions, has_room, holds, within_bound
 from gateway.fleet.backends import AdapterListing
 from gateway.fleet.replicas import Replica
@@ -29,24 +29,24 @@ def replicas(count: int, *, holding: bool = True) -> list[Replica]:
 
 
 def target(seed: str = "kvg-a", version: VersionState | None = VERSION) -> Target:
-    return Target("t", "base", version, seed, block_keys(seed, TEXT))
+    return Target("t", "base", version, seed, block_keys(seed, content_keys(TEXT)))
 
 
 def test_keys_chain_over_full_blocks_and_depend_on_the_namespace() -> None:
-    keys = block_keys("kvg-a", TEXT)
+    keys = block_keys("kvg-a", content_keys(TEXT))
     assert len(keys) == len(TEXT) // BLOCK_CHARS
-    assert block_keys("kvg-a", TEXT + " and a new question")[: len(keys)] == keys
-    assert not set(block_keys("kvg-b", TEXT)) & set(keys), "another namespace never matches"
+    assert block_keys("kvg-a", content_keys(TEXT + " and a new question"))[: len(keys)] == keys
+    assert not set(block_keys("kvg-b", content_keys(TEXT))) & set(keys), "another namespace never matches"
     assert prompt_text({"messages": [{"role": "user", "content": "x"}]}) == '[{"content":"x","role":"user"}]'
 
 
 def test_index_matches_leading_blocks_and_forgets_least_recent() -> None:
-    keys = block_keys("kvg-a", TEXT)
+    keys = block_keys("kvg-a", content_keys(TEXT))
     index = PrefixIndex(capacity=len(keys))
     index.record(keys[:3], "http://r0")
     assert index.matched(keys, "http://r0") == 3
     assert index.matched(keys, "http://r1") == 0
-    index.record(block_keys("kvg-b", TEXT), "http://r1")  # pushes the older entries out
+    index.record(block_keys("kvg-b", content_keys(TEXT)), "http://r1")  # pushes the older entries out
     assert index.matched(keys, "http://r0") == 0
 
 
@@ -189,7 +189,7 @@ TOKENS = tuple(range(1000, 1000 + 4 * 128 + 7))
 
 
 def precise_target(version: VersionState | None = VERSION, salt: str = "kvg-a") -> Target:
-    return Target("t", "base", version, salt, block_keys(salt, TEXT), tokens=TOKENS)
+    return Target("t", "base", version, salt, block_keys(salt, content_keys(TEXT)), tokens=TOKENS)
 
 
 def stored(namespace: tuple[str | None, str | None], blocks: int, first_hash: int = 1) -> BlockStored:
