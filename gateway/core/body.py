@@ -44,7 +44,7 @@ _OWNED = frozenset(("model", *CLIENT_NAMESPACE_FIELDS))
 
 @dataclass(frozen=True, slots=True)
 class Body:
-    doc: dict[str, Any]  # the whole document, or ``bounded``'s (then ``head`` is set)
+    doc: dict[str, Any]  # the whole document, or ``bounded``'s (then ``head_keys`` is set)
     model: str
     stream: bool
     namespaced: bool  # the client sent a cache namespace field (it is never forwarded)
@@ -53,8 +53,7 @@ class Body:
     owned_sent: bool  # the client sent one of them besides ``model``
     splice: tuple[int, int, int] | None = None  # ``model``'s value in ``raw`` (at, length) and its end
     rest: bytes | None = None  # else: the body serialized without the members in ``skip``
-    head: str | None = None  # a bounded ``doc``: the prompt's first ``PREFIX_CHARS`` (``prompt_text``)
-    head_keys: tuple[bytes, ...] | None = None  # and their ``content_keys``
+    head_keys: tuple[bytes, ...] | None = None  # a bounded ``doc``: the whole prompt's ``content_keys``
 
 
 BOUNDED_MEMBER = 16 * 1024
@@ -101,8 +100,8 @@ def bounded(body: Body) -> Body:
     bytes (the caller has them): the request path can take it from another process for the cost of
     its bounded size. Its ``doc`` keeps every top-level member but a big one (serialized over
     ``BOUNDED_MEMBER`` bytes), ``prompt`` and ``messages``: a ``prompt`` string cut to ``PREFIX_CHARS``
-    characters, a list of them (or of token ids) and ``messages`` to the items that show in ``head``,
-    the prompt's first ``PREFIX_CHARS`` characters as prefix keys see it (``prompt_text``), whose
+    characters, a list of them (or of token ids) and ``messages`` to the items that show in the
+    prompt's first ``PREFIX_CHARS`` characters as prefix keys see them (``prompt_text``), whose
     ``content_keys`` it carries (``head_keys``: the costly part of the prefix keys, computed here).
     Everything the request path computes from it equals what it computes from the whole ``body``:
     the prefix keys (``head_keys``), the split key and the follow-up id (top-level scalars, the
@@ -113,13 +112,12 @@ def bounded(body: Body) -> Body:
     small: dict[str, Any] = {}
     for key, value in doc.items():
         if key == "prompt" and isinstance(value, str):
-            cut = value[:PREFIX_CHARS]
-            small[key] = head if cut == head else cut  # the same text is sent once
+            small[key] = value[:PREFIX_CHARS]
         elif key in ("prompt", "messages") and isinstance(value, list):
             small[key] = _leading(value, len(head))
         elif not isinstance(value, dict | list | str) or len(orjson.dumps(value)) <= BOUNDED_MEMBER:
             small[key] = value
-    return replace(body, doc=small, raw=b"", head=head, head_keys=tuple(content_keys(head)))
+    return replace(body, doc=small, raw=b"", head_keys=tuple(content_keys(head)))
 
 
 def _leading(items: list[Any], chars: int) -> list[Any]:

@@ -76,23 +76,15 @@ class ParsedRequest:
     def body(self) -> dict[str, Any]:
         return self.decoded.doc if self.decoded is not None else {}
 
-    def prompt(self, limit: int = PREFIX_CHARS) -> str:
-        """The start of the prompt as prefix keys see it, rendered only as far as ``limit``."""
-        if self.decoded is None:
-            return ""
-        head = self.decoded.head  # a bounded body's, rendered where it was parsed
-        return (
-            head[:limit]
-            if head is not None and limit <= PREFIX_CHARS
-            else prompt_text(self.decoded.doc, limit)
-        )
-
     def prompt_keys(self, limit: int = PREFIX_CHARS) -> Sequence[bytes]:
-        """The ``content_keys`` of ``prompt(limit)``."""
-        keys = self.decoded.head_keys if self.decoded is not None else None  # computed where it was parsed
+        """The ``content_keys`` of the prompt's first ``limit`` characters as prefix keys see it
+        (``prompt_text``, rendered only as far as ``limit``)."""
+        if self.decoded is None:
+            return []
+        keys = self.decoded.head_keys  # a bounded body's, computed where it was parsed
         if keys is not None and limit <= PREFIX_CHARS:
             return keys[: limit // BLOCK_CHARS]
-        return content_keys(self.prompt(limit))
+        return content_keys(prompt_text(self.decoded.doc, limit))
 
     @property
     def stored_response(self) -> str | None:
